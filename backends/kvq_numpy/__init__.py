@@ -1,0 +1,1 @@
+"""kvq's NumPy reference backend: the readable truth every other backend is proven equal to."""

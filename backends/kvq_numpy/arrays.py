@@ -1,0 +1,29 @@
+"""The NumPy array adapter the core uses to talk to this backend."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class NumpyArrays:
+    """Accepts NumPy arrays (and anything ``np.asarray`` takes, e.g. CPU torch tensors)."""
+
+    def asarray(self, x: Any) -> np.ndarray:
+        if hasattr(x, "detach"):  # a torch tensor: bfloat16 has no NumPy dtype, widen it
+            x = x.detach().cpu()
+            x = x.float() if str(x.dtype) == "torch.bfloat16" else x
+            return x.numpy()
+        return np.asarray(x)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return self.asarray(x)
+
+    def all_finite(self, x: Any) -> bool:
+        return bool(np.isfinite(self.asarray(x)).all())
+
+    def cast(self, x: Any, dtype: str) -> np.ndarray:
+        try:
+            return np.asarray(x).astype(np.dtype(dtype), copy=False)
+        except TypeError:  # e.g. "bfloat16": no NumPy dtype, keep float32
+            return np.asarray(x, dtype=np.float32)

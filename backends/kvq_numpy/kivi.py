@@ -1,0 +1,41 @@
+"""NumPy kernels of ``kivi``: keys per channel over token groups, values per token over channel groups."""
+from __future__ import annotations
+
+import numpy as np
+
+from kvq_core.kernels import KernelContext
+from kvq_core.layout import pack_codes, unpack_codes
+from kvq_core.methods.kivi import KiviSpec
+from kvq_numpy import intquant
+from kvq_numpy.attention import softmax_attend
+
+TOKEN_AXIS, CHANNEL_AXIS = 2, 3
+
+
+class KiviKernels:
+    def __init__(self, spec: KiviSpec) -> None:
+        self.spec = spec
+
+    def _encode(self, x: np.ndarray, axis: int) -> dict[str, np.ndarray]:
+        codes, scale, offset = intquant.quantize(x, self.spec.bits, self.spec.group, axis)
+        return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "offset": offset}
+
+    def _decode(self, fields: dict[str, np.ndarray], axis: int) -> np.ndarray:
+        codes = unpack_codes(fields["codes"], self.spec.bits, self.spec.head_dim)
+        return intquant.dequantize(codes, fields["scale"], fields["offset"], self.spec.group, axis)
+
+    def encode_keys(self, k: np.ndarray, ctx: KernelContext) -> dict[str, np.ndarray]:
+        return self._encode(k, TOKEN_AXIS)
+
+    def decode_keys(self, fields: dict[str, np.ndarray], ctx: KernelContext) -> np.ndarray:
+        return self._decode(fields, TOKEN_AXIS)
+
+    def encode_values(self, v: np.ndarray, ctx: KernelContext) -> dict[str, np.ndarray]:
+        return self._encode(v, CHANNEL_AXIS)
+
+    def decode_values(self, fields: dict[str, np.ndarray], ctx: KernelContext) -> np.ndarray:
+        return self._decode(fields, CHANNEL_AXIS)
+
+    def attend(self, q, kfields, vfields, ctx: KernelContext, scale: float):
+        """KIVI's fused kernel is dequantize-then-matmul, so the reference is exactly that."""
+        return softmax_attend(q, self.decode_keys(kfields, ctx), self.decode_values(vfields, ctx), scale)

@@ -1,0 +1,158 @@
+"""NumPy reference kernels of OCTOPUS (the codec is described in :mod:`kvq_core.methods.octopus`).
+
+Everything is vectorised over [batch, kv_heads, tokens, triplets] and computed in float32, the
+precision the GPU kernels work in. Keys stay in the rotated domain inside :meth:`OctopusKernels.attend`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kvq_core.kernels import KernelContext
+from kvq_core.layout import pack_codes, unpack_codes
+from kvq_core.math.hadamard import fwht
+from kvq_core.math.octahedral import oct_decode, oct_encode
+from kvq_core.methods.octopus import OctopusSpec
+from kvq_numpy.attention import softmax_attend
+
+Consts = dict[str, np.ndarray]
+Fields = dict[str, np.ndarray]
+
+# (xi, eta) index offsets joint rounding tries; the centre comes first so that ties (e.g. an
+# all-zero triplet, where every candidate scores 0) keep the plain indices.
+_NEIGHBOURS = np.array([(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)])
+
+
+def rotate(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """R x = H diag(s) x on the last axis; ``signs`` broadcasts against ``x``."""
+    return fwht(signs * x)
+
+
+def unrotate(y: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """R^T y = diag(s) H y (H is symmetric and orthonormal)."""
+    return signs * fwht(y)
+
+
+def _head_signs(consts: Consts) -> np.ndarray:
+    """Signs shaped (kv_heads, 1, d) to broadcast over [batch, kv_heads, rows, d]."""
+    return consts["signs"][:, None, :]
+
+
+def _per_kv_head(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], x: np.ndarray, consts: Consts) -> np.ndarray:
+    """Apply ``rotate``/``unrotate`` to [b, q_heads, q_len, d] with each query head's kv-head signs."""
+    b, _, _, d = x.shape
+    kv_heads = consts["signs"].shape[0]
+    return fn(x.reshape(b, kv_heads, -1, d), _head_signs(consts)).reshape(x.shape)
+
+
+def _quantize(x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """Nearest-centroid index: the Codebook.quantize rule, with thresholds from the constants."""
+    return np.searchsorted(thresholds, x, side="right")
+
+
+def triplets(v: np.ndarray, n_triplets: int) -> np.ndarray:
+    """[..., d] -> [..., n_triplets, 3], zero-padding the tail (spec 1.3)."""
+    pad = 3 * n_triplets - v.shape[-1]
+    v = np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
+    return v.reshape(*v.shape[:-1], n_triplets, 3)
+
+
+def _directions(i_xi: np.ndarray, i_eta: np.ndarray, consts: Consts) -> np.ndarray:
+    """Unit directions (..., 3) decoded from xi/eta codebook indices."""
+    xi_eta = np.stack((consts["xi_codebook"][i_xi], consts["eta_codebook"][i_eta]), axis=-1)
+    return oct_decode(xi_eta)
+
+
+def _direction_indices(t: np.ndarray, consts: Consts) -> tuple[np.ndarray, np.ndarray]:
+    """Nearest-centroid xi/eta indices of each triplet's octahedral point.
+
+    oct_encode is scale-invariant and maps 0 like (0, 0, 1), so t needs no division by rho."""
+    xi_eta = oct_encode(t)
+    return _quantize(xi_eta[..., 0], consts["xi_thresholds"]), _quantize(xi_eta[..., 1], consts["eta_thresholds"])
+
+
+def _round_plain(t: np.ndarray, consts: Consts) -> tuple[np.ndarray, ...]:
+    """Independent nearest-centroid rounding of xi, eta and rho = ||t||."""
+    i_xi, i_eta = _direction_indices(t, consts)
+    return i_xi, i_eta, _quantize(np.linalg.norm(t, axis=-1), consts["rho_thresholds"])
+
+
+def _round_joint(t: np.ndarray, consts: Consts) -> tuple[np.ndarray, ...]:
+    """Spec 1.8: the 3x3 index neighbour maximising s = <t, n_hat>, then rho index = Q_rho(s)."""
+    i_xi, i_eta = _direction_indices(t, consts)
+    c_xi = np.clip(i_xi[..., None] + _NEIGHBOURS[:, 0], 0, consts["xi_codebook"].size - 1)
+    c_eta = np.clip(i_eta[..., None] + _NEIGHBOURS[:, 1], 0, consts["eta_codebook"].size - 1)
+    s = np.einsum("...c,...kc->...k", t, _directions(c_xi, c_eta, consts))
+    best = s.argmax(axis=-1)[..., None]
+    i_xi, i_eta, s = (np.take_along_axis(a, best, axis=-1)[..., 0] for a in (c_xi, c_eta, s))
+    return i_xi, i_eta, _quantize(np.maximum(s, 0), consts["rho_thresholds"])
+
+
+def _join(spec: OctopusSpec, i_xi: np.ndarray, i_eta: np.ndarray, i_rho: np.ndarray) -> np.ndarray:
+    """One code per triplet: xi in the high bits, then eta, then rho."""
+    return (i_xi << (spec.eta_bits + spec.rho_bits)) | (i_eta << spec.rho_bits) | i_rho
+
+
+def _split(spec: OctopusSpec, code: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Inverse of :func:`_join`."""
+    eta_mask, rho_mask = (1 << spec.eta_bits) - 1, (1 << spec.rho_bits) - 1
+    return code >> (spec.eta_bits + spec.rho_bits), (code >> spec.rho_bits) & eta_mask, code & rho_mask
+
+
+def encode(x: np.ndarray, spec: OctopusSpec, consts: Consts) -> Fields:
+    """Fields ``codes`` and ``norm`` of a block [b, h, t, d]; a zero vector gets gamma 0."""
+    x = np.asarray(x, dtype=np.float32)
+    gamma = np.linalg.norm(x, axis=-1)
+    u = x / np.where(gamma > 0, gamma, 1)[..., None]
+    t = triplets(rotate(u, _head_signs(consts)), spec.n_triplets)
+    rounding = _round_joint if spec.rounding == "joint" else _round_plain
+    codes = _join(spec, *rounding(t, consts))
+    return {"codes": pack_codes(codes, spec.triplet_bits), "norm": gamma}
+
+
+def decode_rotated(fields: Fields, spec: OctopusSpec, consts: Consts) -> np.ndarray:
+    """The decoded unit vectors in the rotated domain, R u_hat, [b, h, t, d] (gamma not applied)."""
+    i_xi, i_eta, i_rho = _split(spec, unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets))
+    t_hat = consts["rho_codebook"][i_rho][..., None] * _directions(i_xi, i_eta, consts)
+    return t_hat.reshape(*t_hat.shape[:-2], -1)[..., : spec.head_dim]
+
+
+def decode(fields: Fields, spec: OctopusSpec, consts: Consts) -> np.ndarray:
+    """gamma * R^T v_hat in the original domain, float32 [b, h, t, d]."""
+    return fields["norm"][..., None] * unrotate(decode_rotated(fields, spec, consts), _head_signs(consts))
+
+
+class OctopusKernels:
+    """Encode/decode with :func:`encode`/:func:`decode`; attend scores from the rotated codes."""
+
+    def __init__(self, spec: OctopusSpec) -> None:
+        self.spec = spec
+
+    def encode_keys(self, k: np.ndarray, ctx: KernelContext) -> Fields:
+        return encode(k, self.spec, ctx.consts)
+
+    def decode_keys(self, fields: Fields, ctx: KernelContext) -> np.ndarray:
+        return decode(fields, self.spec, ctx.consts)
+
+    def encode_values(self, v: np.ndarray, ctx: KernelContext) -> Fields:
+        if self.spec.values == "fp16":
+            return {"data": np.asarray(v, dtype=np.float16)}
+        return encode(v, self.spec, ctx.consts)
+
+    def decode_values(self, fields: Fields, ctx: KernelContext) -> np.ndarray:
+        if self.spec.values == "fp16":
+            return fields["data"].astype(np.float32)
+        return decode(fields, self.spec, ctx.consts)
+
+    def attend(
+        self, q: np.ndarray, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Score gamma_j <R q, v_hat_j> without un-rotating keys; un-rotate the output once."""
+        q_rot = _per_kv_head(rotate, q, ctx.consts)
+        k_rot = decode_rotated(kfields, self.spec, ctx.consts)
+        if self.spec.values == "fp16":
+            return softmax_attend(q_rot, k_rot, vfields["data"], scale, token_scale=kfields["norm"])
+        v_rot = vfields["norm"][..., None] * decode_rotated(vfields, self.spec, ctx.consts)
+        out_rot, lse = softmax_attend(q_rot, k_rot, v_rot, scale, token_scale=kfields["norm"])
+        return _per_kv_head(unrotate, out_rot, ctx.consts), lse

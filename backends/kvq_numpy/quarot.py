@@ -1,0 +1,54 @@
+"""NumPy kernels of ``quarot``: Hadamard per head, then per-token asymmetric INT-b (group = head_dim)."""
+from __future__ import annotations
+
+import numpy as np
+
+from kvq_core.kernels import KernelContext
+from kvq_core.layout import pack_codes, unpack_codes
+from kvq_core.methods.quarot import QuaRotSpec
+from kvq_numpy import intquant
+from kvq_numpy.attention import softmax_attend
+
+CHANNEL_AXIS = 3
+
+
+def _rotate(x: np.ndarray, ctx: KernelContext) -> np.ndarray:
+    """x H (H symmetric and orthonormal, so this is also the inverse); identity without rotation."""
+    x = np.asarray(x, np.float32)
+    return x @ ctx.consts["hadamard"] if "hadamard" in ctx.consts else x
+
+
+def _clip(x: np.ndarray, ratio: float) -> np.ndarray:
+    """QuaRot's clipping: saturate each token to ``ratio`` times its range widened to include 0."""
+    lo = np.minimum(x.min(axis=-1, keepdims=True), 0) * np.float32(ratio)
+    hi = np.maximum(x.max(axis=-1, keepdims=True), 0) * np.float32(ratio)
+    return np.clip(x, lo, hi)
+
+
+class QuaRotKernels:
+    def __init__(self, spec: QuaRotSpec) -> None:
+        self.spec = spec
+
+    def _encode_rotated(self, y: np.ndarray) -> dict[str, np.ndarray]:
+        d = self.spec.head_dim
+        codes, scale, offset = intquant.quantize(_clip(y, self.spec.clip_ratio), self.spec.bits, d, CHANNEL_AXIS)
+        return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "offset": offset}
+
+    def _decode_rotated(self, fields: dict[str, np.ndarray]) -> np.ndarray:
+        d = self.spec.head_dim
+        codes = unpack_codes(fields["codes"], self.spec.bits, d)
+        return intquant.dequantize(codes, fields["scale"], fields["offset"], d, CHANNEL_AXIS)
+
+    def encode_keys(self, k: np.ndarray, ctx: KernelContext) -> dict[str, np.ndarray]:
+        return self._encode_rotated(_rotate(k, ctx))
+
+    def decode_keys(self, fields: dict[str, np.ndarray], ctx: KernelContext) -> np.ndarray:
+        return _rotate(self._decode_rotated(fields), ctx)
+
+    encode_values = encode_keys
+    decode_values = decode_keys
+
+    def attend(self, q, kfields, vfields, ctx: KernelContext, scale: float):
+        """Score H q against the rotated-domain keys (H orthonormal keeps q.k), rotate the output back once."""
+        out, lse = softmax_attend(_rotate(q, ctx), self._decode_rotated(kfields), self._decode_rotated(vfields), scale)
+        return _rotate(out, ctx), lse

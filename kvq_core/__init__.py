@@ -1,0 +1,30 @@
+"""kvq: compressed key/value caches for transformer inference (OScaR, OCTOPUS and baselines).
+
+Start with :func:`get_quantizer`; :func:`list_methods` and :func:`list_backends` say what is
+installed and why something is unavailable.
+"""
+from __future__ import annotations
+
+from kvq_core.api import Quantizer, get_quantizer
+from kvq_core.errors import (
+    BackendUnavailableError,
+    InputError,
+    KVQError,
+    LayoutError,
+    PluginError,
+    SpecError,
+    UnknownBackendError,
+    UnknownMethodError,
+)
+from kvq_core.layout import PackedKV, bits_per_element
+from kvq_core.registry import list_backends, list_methods, list_plugins, make_spec, spec_from_dict
+from kvq_core.spec import MethodSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError", "InputError", "KVQError", "LayoutError", "MethodSpec", "PackedKV",
+    "PluginError", "Quantizer", "SpecError", "UnknownBackendError", "UnknownMethodError",
+    "bits_per_element", "get_quantizer", "list_backends", "list_methods", "list_plugins",
+    "make_spec", "spec_from_dict", "__version__",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks reachable from the CLI (``kvq bench fidelity``, ``kvq bench speed``)."""

@@ -1,0 +1,139 @@
+"""``kvq bench fidelity``: rate-distortion of every method on three synthetic data regimes.
+
+For head dims 64 and 128 and b in {2, 3, 4}: true bits per element, key relative MSE, mean
+absolute inner-product error, attention-output relative error and top-8 attention overlap,
+on unit Gaussian keys, keys with outlier channels and keys with token-norm imbalance (sinks).
+A rate-matched TurboQuant row (b+1 bits on ceil(d/3) rotated coordinates) sits at the same
+true bits per element as OCTOPUS, so the OCTOPUS gain is shown at equal storage.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import kvq_core
+from kvq_core.metrics import measure
+from kvq_core.progress import progress
+from kvq_core.synthetic import make_kv, make_queries
+
+REGIMES = {"gaussian": "(a) unit Gaussian", "outliers": "(b) outlier channels", "sinks": "(c) token-norm imbalance"}
+METRICS = ("key_bits", "kv_bits", "key_rel_mse", "ip_abs_err", "attn_rel_err", "top8_overlap")
+
+
+def configs(head_dim: int, bits: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, method, params) of every method at nominal ``bits`` and head dim ``head_dim``."""
+    d = head_dim
+    rows = [
+        ("oscar", "oscar", {"bits": bits}),
+        ("octopus", "octopus", {"bits": bits}),
+        ("turboquant", "turboquant", {"bits": bits}),
+        ("turboquant rate-matched", "turboquant", {"bits": bits, "high_bits_coords": math.ceil(d / 3)}),
+        ("turboquant_prod", "turboquant_prod", {"bits": bits}),
+        ("qjl", "qjl", {"sketch_dim": bits * d, "value_bits": bits}),
+        ("polarquant", "polarquant", {"level_bits": (bits + 2, bits, bits, bits)}),
+        ("kivi", "kivi", {"bits": bits}),
+        ("quarot", "quarot", {"bits": bits}),
+    ]
+    known = {m.name for m in kvq_core.list_methods()}
+    return [(label, m, {"head_dim": d, **p}) for label, m, p in rows if m in known]
+
+
+def run(head_dims: tuple[int, ...], bits_list: tuple[int, ...], tokens: int, kv_heads: int, backend: str, seed: int) -> list[dict]:
+    """Measure every (regime, head_dim, bits, method) cell; one dict per cell."""
+    jobs = [(r, d, b, c) for r in REGIMES for d in head_dims for b in bits_list for c in configs(d, b)]
+    rows, data = [], {}
+    for regime, d, b, (label, method, params) in progress(jobs, "fidelity", total=len(jobs)):
+        if (regime, d) not in data:
+            k, v = make_kv(regime, 1, kv_heads, tokens, d, seed=seed)
+            data[regime, d] = (k, v, make_queries(1, 4 * kv_heads, 4, d, seed=seed + 1))
+        k, v, q = data[regime, d]
+        quantizer = kvq_core.get_quantizer(method, backend=backend, **params)
+        fid = measure(quantizer, k, v, q)
+        rows.append({"regime": regime, "head_dim": d, "bits": b, "label": label, "method": method,
+                     "spec": quantizer.spec.to_dict(), **dataclasses.asdict(fid)})
+    return rows
+
+
+def markdown(rows: list[dict], setting: str) -> str:
+    """One table per (regime, head_dim): methods x bits with every metric."""
+    out = [f"# kvq fidelity benchmark\n\n{setting}\n",
+           "Columns: true key / K+V bits per element (every stored bit), key relative MSE, mean |Δ q·k|, "
+           "attention-output relative error, top-8 attention overlap with full precision.\n"]
+    for regime, title in REGIMES.items():
+        for d in sorted({r["head_dim"] for r in rows}):
+            cell = [r for r in rows if r["regime"] == regime and r["head_dim"] == d]
+            if not cell:
+                continue
+            out.append(f"\n## {title}, head_dim {d}\n")
+            out.append("| b | method | key bits | K+V bits | key rel. MSE | mean abs IP err | attn rel. err | top-8 overlap |")
+            out.append("|---|---|---|---|---|---|---|---|")
+            for r in sorted(cell, key=lambda r: (r["bits"], r["label"])):
+                out.append(f"| {r['bits']} | {r['label']} | {r['key_bits']:.3f} | {r['kv_bits']:.3f} | {r['key_rel_mse']:.4g} | "
+                           f"{r['ip_abs_err']:.4g} | {r['attn_rel_err']:.4g} | {r['top8_overlap']:.3f} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Key distortion against true key bits per element (log y), a panel per regime and head dim."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({r["head_dim"] for r in rows})
+    fig, axes = plt.subplots(len(dims), len(REGIMES), figsize=(5 * len(REGIMES), 4 * len(dims)), squeeze=False)
+    labels = sorted({r["label"] for r in rows})
+    for i, d in enumerate(dims):
+        for j, (regime, title) in enumerate(REGIMES.items()):
+            ax = axes[i][j]
+            for label in labels:
+                pts = sorted((r["key_bits"], r["key_rel_mse"]) for r in rows if r["label"] == label and r["regime"] == regime and r["head_dim"] == d)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=label)
+            xs = np.linspace(1.5, max(r["key_bits"] for r in rows) + 0.2, 50)
+            ax.plot(xs, 4.0 ** -xs, "k--", label="4^-b lower bound")
+            ax.set_yscale("log")
+            ax.set_title(f"{title}, d={d}")
+            ax.set_xlabel("true key bits per element")
+            ax.set_ylabel("key relative MSE")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvq bench fidelity", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer tokens and heads (under a minute)")
+    p.add_argument("--backend", default="numpy")
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for fidelity.{md,json,png}")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    tokens = args.tokens or (256 if args.quick else 1024)
+    kv_heads = args.kv_heads or (4 if args.quick else 8)
+    t0 = time.perf_counter()
+    rows = run(tuple(args.head_dims), tuple(args.bits), tokens, kv_heads, args.backend, args.seed)
+    setting = (f"Setting: batch 1, {kv_heads} KV heads, {tokens} tokens, {4 * kv_heads} query heads (GQA 4) x 4 query tokens, "
+               f"seed {args.seed}, backend {args.backend}. Command: `kvq bench fidelity{' --quick' if args.quick else ''}`.")
+    args.out.mkdir(parents=True, exist_ok=True)
+    md = markdown(rows, setting)
+    (args.out / "fidelity.md").write_text(md)
+    (args.out / "fidelity.json").write_text(json.dumps({"setting": setting, "rows": rows}, indent=1))
+    if not args.no_plot:
+        plot(rows, args.out / "fidelity.png")
+    print(md)
+    print(f"wrote {args.out}/fidelity.md, .json{'' if args.no_plot else ', .png'} in {time.perf_counter() - t0:.1f} s")
+    return 0

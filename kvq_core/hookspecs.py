@@ -1,0 +1,40 @@
+"""pluggy hook specifications: how methods and backends (built-in or third-party) join kvq.
+
+A plugin is a module with ``@hookimpl`` functions of these names. Built-ins are registered
+exactly like third-party plugins, which load from the entry-point group ``kvq.plugins``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvq_core.registry import BackendInfo, MethodInfo
+
+PROJECT = "kvq"
+ENTRY_POINT_GROUP = "kvq.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def kvq_register_methods(register: "Callable[[MethodInfo], None]") -> None:
+    """Call ``register(MethodInfo(...))`` once per method this plugin defines."""
+
+
+@hookspec
+def kvq_register_backends(register: "Callable[[BackendInfo], None]") -> None:
+    """Call ``register(BackendInfo(...))`` once per backend this plugin provides."""
+
+
+@hookspec(firstresult=True)
+def kvq_select_backend(method: str, device: str | None, candidates: Sequence[str]) -> str | None:
+    """Pick a backend name for ``backend="auto"``, or return None to let the next plugin choose.
+
+    ``device`` is None for NumPy arrays, else a torch device string such as ``"cpu"`` or
+    ``"cuda:0"``; ``candidates`` are the available backends that implement ``method``.
+    The NumPy reference answers last.
+    """

@@ -1,0 +1,197 @@
+"""The one packed layout: named fields with dtypes and shapes, sub-byte codes in uint8 rows.
+
+Bit order (the rule every backend follows): a code field holds ``count`` unsigned codes of
+``bits`` bits per row (the last axis). The row is a little-endian bitstream: code ``i``
+occupies stream bits ``[i*bits, (i+1)*bits)``, least significant bit first, and stream bit
+``j`` is bit ``j % 8`` of byte ``j // 8``. Each row is padded with zero bits to whole bytes.
+Those padding bits are stored, so they are counted in :func:`bits_per_element`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from kvq_core.errors import LayoutError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvq_core.spec import MethodSpec
+
+Kind = Literal["keys", "values"]
+
+_FLOAT_DTYPES = ("float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One stored array: its name, stored dtype and stored shape.
+
+    For a code field ``bits`` and ``count`` give the codes per row; the stored array is
+    ``uint8`` of shape ``(*lead, ceil(count * bits / 8))``.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bits: int | None = None
+    count: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def is_codes(self) -> bool:
+        return self.bits is not None
+
+
+def codes_field(name: str, lead: tuple[int, ...], count: int, bits: int) -> Field:
+    """A field of ``count`` codes of ``bits`` bits per row, rows indexed by ``lead``."""
+    if not 1 <= bits <= 32:
+        raise LayoutError(f"field {name}: bits={bits} is outside 1..32")
+    return Field(name, "uint8", (*lead, packed_row_bytes(count, bits)), bits=bits, count=count)
+
+
+def float_field(name: str, shape: tuple[int, ...], dtype: str = "float16") -> Field:
+    """A field of plain floats (scales, zero-points, norms)."""
+    if dtype not in _FLOAT_DTYPES:
+        raise LayoutError(f"field {name}: dtype {dtype!r} is not one of {_FLOAT_DTYPES}")
+    return Field(name, dtype, tuple(shape))
+
+
+Layout = Mapping[str, Field]
+
+
+def make_layout(*fields: Field) -> dict[str, Field]:
+    return {f.name: f for f in fields}
+
+
+def packed_row_bytes(count: int, bits: int) -> int:
+    return (count * bits + 7) // 8
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack unsigned codes ``(..., count)`` into uint8 rows ``(..., ceil(count*bits/8))``."""
+    codes = np.asarray(codes)
+    count = codes.shape[-1]
+    c = codes.astype(np.uint64)
+    stream = ((c[..., None] >> np.arange(bits, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
+    stream = stream.reshape(*codes.shape[:-1], count * bits)
+    pad = packed_row_bytes(count, bits) * 8 - count * bits
+    if pad:
+        stream = np.concatenate([stream, np.zeros((*codes.shape[:-1], pad), np.uint8)], axis=-1)
+    return np.packbits(stream, axis=-1, bitorder="little")
+
+
+def unpack_codes(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Inverse of :func:`pack_codes`: uint8 rows to codes ``(..., count)`` as int64."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    stream = np.unpackbits(packed, axis=-1, bitorder="little")[..., : count * bits]
+    stream = stream.reshape(*packed.shape[:-1], count, bits).astype(np.int64)
+    return (stream << np.arange(bits, dtype=np.int64)).sum(axis=-1)
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """NumPy view of a backend array (torch tensors are detached and moved to the CPU)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+@dataclasses.dataclass
+class PackedKV:
+    """A packed key or value block: the spec, what it holds, and its fields (backend arrays).
+
+    ``shape`` is the original ``[batch, kv_heads, tokens, head_dim]``; ``dtype`` is the name of
+    the original floating dtype, which decoding returns; ``layer`` selects per-layer constants.
+    """
+
+    spec: "MethodSpec"
+    kind: Kind
+    shape: tuple[int, int, int, int]
+    fields: dict[str, Any]
+    layer: int = 0
+    dtype: str = "float32"
+
+    @property
+    def layout(self) -> dict[str, Field]:
+        b, h, t, _ = self.shape
+        make = self.spec.key_layout if self.kind == "keys" else self.spec.value_layout
+        return dict(make(b, h, t))
+
+    @property
+    def num_elements(self) -> int:
+        return math.prod(self.shape)
+
+    def nbytes(self) -> int:
+        """Bytes actually stored, from the layout (every field, padding included)."""
+        return sum(f.nbytes for f in self.layout.values())
+
+    def bits_per_element(self) -> float:
+        return 8.0 * self.nbytes() / self.num_elements
+
+    def validate(self) -> None:
+        """Check every field exists with the layout's dtype and shape; raise LayoutError if not."""
+        layout = self.layout
+        missing = sorted(set(layout) - set(self.fields))
+        extra = sorted(set(self.fields) - set(layout))
+        if missing or extra:
+            raise LayoutError(f"{self.spec.method} {self.kind}: missing fields {missing}, unexpected {extra}")
+        for name, f in layout.items():
+            arr = self.fields[name]
+            shape, dtype = tuple(arr.shape), str(arr.dtype).replace("torch.", "")
+            if shape != f.shape or dtype != f.dtype:
+                raise LayoutError(
+                    f"{self.spec.method} {self.kind} field {name!r}: got {dtype}{list(shape)}, "
+                    f"layout says {f.dtype}{list(f.shape)}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain form: spec dict, metadata and NumPy arrays; any backend can rebuild from it."""
+        return {
+            "spec": self.spec.to_dict(),
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "layer": self.layer,
+            "dtype": self.dtype,
+            "fields": {k: _to_numpy(v) for k, v in self.fields.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PackedKV":
+        """Rebuild (with NumPy fields) from :meth:`to_dict` output, validating against the layout."""
+        from kvq_core.registry import spec_from_dict
+
+        try:
+            kind = data["kind"]
+            if kind not in ("keys", "values"):
+                raise LayoutError(f"kind={kind!r}; expected 'keys' or 'values'")
+            packed = cls(
+                spec=spec_from_dict(data["spec"]),
+                kind=kind,
+                shape=tuple(int(s) for s in data["shape"]),  # type: ignore[arg-type]
+                fields={k: np.asarray(v) for k, v in data["fields"].items()},
+                layer=int(data.get("layer", 0)),
+                dtype=str(data.get("dtype", "float32")),
+            )
+        except KeyError as exc:
+            raise LayoutError(f"packed dict lacks {exc}") from None
+        packed.validate()
+        return packed
+
+    def map_fields(self, fn: Any) -> "PackedKV":
+        """A copy with ``fn`` applied to every field (e.g. to move arrays between backends)."""
+        return dataclasses.replace(self, fields={k: fn(v) for k, v in self.fields.items()})
+
+
+def bits_per_element(*blocks: PackedKV) -> float:
+    """Stored bits over original elements, summed over blocks (e.g. keys and values together)."""
+    if not blocks:
+        raise LayoutError("bits_per_element needs at least one packed block")
+    return 8.0 * sum(b.nbytes() for b in blocks) / sum(b.num_elements for b in blocks)

@@ -1,0 +1,59 @@
+"""``kivi``: KIVI (Liu, Yuan et al., arXiv 2402.02750), tuning-free asymmetric 2/4-bit KV cache.
+
+Keys are quantized per channel over groups of ``group`` consecutive tokens (key outliers sit in
+fixed channels, so a channel's range is tight); values per token over groups of ``group``
+channels. Both use asymmetric min/max round-to-nearest (specs/baselines.md section 4).
+
+Zero-point: KIVI stores the group minimum as a float zero-point (``v = q s + min``). This codec
+uses the shared quantizer of the NumPy backend (``kvq_numpy.intquant``), whose zero-point is an
+integer (``v = (q - z) s``, ``z = rint(-min / s)``, as OScaR and QuaRot store it): the same
+scale, the same storage (two float16 per group), and 0 is exactly representable, but a
+group's minimum is reproduced only to within s/2 instead of exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kvq_core.layout import Layout, codes_field, float_field, make_layout
+from kvq_core.spec import MethodSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class KiviSpec(MethodSpec):
+    """KIVI at ``bits`` bits (the paper uses 2 and 4) with groups of ``group`` (paper: 32).
+
+    ``group`` is the number of tokens sharing a key channel's (scale, offset) and the number of
+    channels sharing a value token's; it must divide head_dim. Bits per element: bits + 32/group.
+    """
+
+    method = "kivi"
+    summary = "KIVI: asymmetric INT-b, keys per channel over token groups, values per token over channel groups"
+    default_residual = 128
+
+    bits: int = 2
+    group: int = 32
+
+    def validate(self) -> None:
+        super().validate()
+        self._check_int("bits", 1, 8)
+        self._check_int("group", 1, self.head_dim)
+        if self.head_dim % self.group:
+            self._fail("group", f"a divisor of head_dim={self.head_dim}")
+
+    def _layout(self, lead: tuple[int, int, int], stats: tuple[int, int, int, int]) -> Layout:
+        return make_layout(
+            codes_field("codes", lead, self.head_dim, self.bits),
+            float_field("scale", stats, "float16"),
+            float_field("offset", stats, "float16"),
+        )
+
+    def key_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
+        """Codes packed along head_dim; per-channel (scale, offset) per group of tokens."""
+        stats = (batch, kv_heads, math.ceil(tokens / self.group), self.head_dim)
+        return self._layout((batch, kv_heads, tokens), stats)
+
+    def value_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
+        """Codes packed along head_dim; per-token (scale, offset) per group of channels."""
+        stats = (batch, kv_heads, tokens, self.head_dim // self.group)
+        return self._layout((batch, kv_heads, tokens), stats)

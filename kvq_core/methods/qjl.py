@@ -1,0 +1,118 @@
+"""``qjl``: QJL (Zandieh, Daliri, Han; arXiv 2406.03482), 1-bit Johnson-Lindenstrauss keys.
+
+Keys (specs/baselines.md section 3): with S an m x d random sketch per (layer, kv head), store
+the signs h = sign(S k) (sign(0) = +1; m codes of 1 bit) and ||k|| (float32, the house choice
+for every per-vector norm). A query stays unquantized and scores
+``sqrt(pi/2) / m * ||k|| * <S q, h>``, an unbiased estimate of <q, k> with variance at most
+``pi / (2m) * ||q||^2 ||k||^2``. Values use KIVI's per-token asymmetric INT-``value_bits``
+quantizer over groups of ``value_group`` channels, as the official code does.
+
+Decisions where the paper is silent or differs:
+
+- ``sketch="gaussian"`` (the paper's S_ij ~ N(0, 1)) is the default. ``"orthogonal"`` is the
+  official code's variant: blocks of d rows, each a Haar orthogonal matrix, so rows within a
+  block are orthogonal (lower variance). Rows are scaled to E||g||, the mean length of a d-dim
+  Gaussian row, sqrt(2) Gamma((d+1)/2) / Gamma(d/2) (about sqrt(d) (1 - 1/(4d))), which keeps
+  the estimator exactly unbiased; scaling by sqrt(d) would bias it by about +1/(4d).
+- Sketches (and Haar rotations) come from a NumPy Generator seeded by (seed, layer, kv head,
+  stream), so each head's matrix is independent of kv_heads and of the order of calls.
+- The official code's outlier split is not implemented: it picks, per group of 32 tokens, the
+  8 channels with the largest norm and sketches them separately, a data-dependent selection
+  with its own index storage and a second estimator. It is left as future work; this codec is
+  the data-oblivious QJL of the paper's analysis.
+- ``default_residual = 128``: the paper's full-precision buffer of recent tokens.
+
+Bits per element at d = 128, m = 256: keys m/d + 32/d = 2.25; values value_bits + 32/value_group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from scipy.special import gammaln
+
+from kvq_core.layout import Layout, codes_field, float_field, make_layout
+from kvq_core.methods.kivi import KiviSpec
+from kvq_core.spec import MethodSpec
+
+MAX_SKETCH_DIM = 1 << 14
+SEED_MAX = 2**64 - 1
+SKETCHES = ("gaussian", "orthogonal")
+ROTATION_STREAM, SKETCH_STREAM = 0, 1
+
+
+def head_rng(seed: int, layer: int, head: int, stream: int) -> np.random.Generator:
+    """The Generator of one (seed, layer, kv head, stream): rotations and sketches never share draws."""
+    return np.random.default_rng([seed, layer, head, stream])
+
+
+def haar_orthogonal(rng: np.random.Generator, d: int) -> np.ndarray:
+    """A Haar-distributed d x d orthogonal matrix: QR of a Gaussian, columns signed by sign(diag R)."""
+    q, r = np.linalg.qr(rng.standard_normal((d, d)))
+    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+
+
+def gaussian_row_norm(d: int) -> float:
+    """E||g|| for g ~ N(0, I_d): the row length that makes orthogonal sketches exactly unbiased."""
+    return math.sqrt(2.0) * math.exp(gammaln((d + 1) / 2) - gammaln(d / 2))
+
+
+def sketch_matrix(rng: np.random.Generator, m: int, d: int, kind: str) -> np.ndarray:
+    """One m x d sketch (float64): i.i.d. N(0, 1), or stacked Haar blocks with rows of length E||g||."""
+    if kind == "gaussian":
+        return rng.standard_normal((m, d))
+    blocks = [haar_orthogonal(rng, d) for _ in range(-(-m // d))]
+    return gaussian_row_norm(d) * np.concatenate(blocks)[:m]
+
+
+def sketches(seed: int, layer: int, kv_heads: int, m: int, d: int, kind: str) -> np.ndarray:
+    """float32 (kv_heads, m, d): the sketch of every kv head of one layer."""
+    mats = [sketch_matrix(head_rng(seed, layer, h, SKETCH_STREAM), m, d, kind) for h in range(kv_heads)]
+    return np.stack(mats).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class QJLSpec(MethodSpec):
+    """QJL with an m = ``sketch_dim`` row sketch for keys and KIVI-style INT values.
+
+    ``value_group`` defaults to min(32, head_dim) and must divide head_dim.
+    """
+
+    method = "qjl"
+    summary = "QJL: 1-bit signs of a random sketch of each key plus its norm; per-token INT values"
+    default_residual = 128
+
+    sketch_dim: int = 256
+    sketch: str = "gaussian"
+    seed: int = 0
+    value_bits: int = 2
+    value_group: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        self._check_int("sketch_dim", 1, MAX_SKETCH_DIM)
+        self._check_choice("sketch", SKETCHES)
+        self._check_int("seed", 0, SEED_MAX)
+        self._check_int("value_bits", 1, 8)
+        if self.value_group is None:
+            self._set("value_group", min(32, self.head_dim))
+        self._check_int("value_group", 1, self.head_dim)
+        if self.head_dim % self.value_group:
+            self._fail("value_group", f"a divisor of head_dim={self.head_dim}")
+
+    @property
+    def value_codec(self) -> KiviSpec:
+        """The value quantizer: KIVI's per-token, per-channel-group INT codec."""
+        return KiviSpec(head_dim=self.head_dim, bits=self.value_bits, group=self.value_group)
+
+    def key_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
+        lead = (batch, kv_heads, tokens)
+        return make_layout(codes_field("qjl", lead, self.sketch_dim, 1), float_field("norm", lead, "float32"))
+
+    def value_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
+        return self.value_codec.value_layout(batch, kv_heads, tokens)
+
+    def constants(self, kv_heads: int, layer: int) -> dict[str, np.ndarray]:
+        """The sketch S, float32 (kv_heads, sketch_dim, head_dim)."""
+        return {"sketch": sketches(self.seed, layer, kv_heads, self.sketch_dim, self.head_dim, self.sketch)}

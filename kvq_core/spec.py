@@ -1,0 +1,113 @@
+"""Method specs: frozen, validated, JSON-round-trippable dataclasses, one per method.
+
+A spec is pure data. It also defines, once for every backend, the packed layout of a key or
+value block (:meth:`MethodSpec.key_layout`) and the constants a kernel needs
+(:meth:`MethodSpec.constants`), so kernels hold no math constants of their own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvq_core.errors import SpecError
+from kvq_core.layout import Layout
+from kvq_core.math.hadamard import is_power_of_two
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """Base of every method spec. Subclasses are frozen dataclasses with defaults for all fields.
+
+    ``method`` names the method in the registry; ``default_residual`` is the number of recent
+    tokens a cache keeps in full precision by default (the method paper's protocol).
+    """
+
+    method: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    default_residual: ClassVar[int] = 0
+
+    head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- validation -------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise :class:`SpecError` for any out-of-range field. Subclasses extend this."""
+        self._check_int("head_dim", 16, 1 << 16)
+        if not is_power_of_two(self.head_dim):
+            raise SpecError(self.method, "head_dim", self.head_dim, "a power of two >= 16")
+
+    def _fail(self, param: str, expected: str) -> None:
+        raise SpecError(self.method, param, getattr(self, param), expected)
+
+    def _check_int(self, param: str, lo: int, hi: int) -> None:
+        value = getattr(self, param)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+            self._fail(param, f"an integer in [{lo}, {hi}]")
+
+    def _check_choice(self, param: str, choices: Iterable[Any]) -> None:
+        choices = tuple(choices)
+        if getattr(self, param) not in choices:
+            self._fail(param, "one of " + ", ".join(repr(c) for c in choices))
+
+    def _check_bool(self, param: str) -> None:
+        if not isinstance(getattr(self, param), bool):
+            self._fail(param, "True or False")
+
+    def _set(self, param: str, value: Any) -> None:
+        """Resolve a defaulted field (e.g. ``None`` -> a bits-dependent group size) in __post_init__.
+
+        The field is remembered as derived, so :meth:`replace` derives it again from the new values.
+        """
+        object.__setattr__(self, param, value)
+        object.__setattr__(self, "_derived", getattr(self, "_derived", frozenset()) | {param})
+
+    # -- serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form: ``{"method": name, **fields}`` (tuples become lists)."""
+        out: dict[str, Any] = {"method": self.method}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> "MethodSpec":
+        """Build a spec from keyword parameters, naming any unknown parameter in the error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in params:
+            if key not in names:
+                raise SpecError(cls.method, key, params[key], "one of the parameters " + ", ".join(sorted(names)))
+        fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+        return cls(**fixed)
+
+    def replace(self, **changes: Any) -> "MethodSpec":
+        """A copy with ``changes``; fields derived from defaults are derived again."""
+        derived = getattr(self, "_derived", frozenset())
+        kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in derived}
+        return type(self).from_params({**kept, **changes})
+
+    # -- layout and constants (overridden per method) ---------------------------------------
+    def key_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
+        """The packed fields of a key block of shape ``[batch, kv_heads, tokens, head_dim]``."""
+        raise NotImplementedError(f"{type(self).__name__}.key_layout")
+
+    def value_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
+        """The packed fields of a value block of shape ``[batch, kv_heads, tokens, head_dim]``."""
+        raise NotImplementedError(f"{type(self).__name__}.value_layout")
+
+    def constants(self, kv_heads: int, layer: int) -> dict[str, np.ndarray]:
+        """Arrays a kernel needs besides the data (rotations, signs, codebooks), computed in core."""
+        return {}
+
+    def describe(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items() if k != "method")
+        return f"{self.method}({params})"

@@ -1,0 +1,72 @@
+"""Input checks at the API boundary: typed errors that name the value and what was expected."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvq_core.errors import InputError, LayoutError
+from kvq_core.layout import PackedKV
+from kvq_core.registry import ArrayAdapter
+from kvq_core.spec import MethodSpec
+
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def dtype_name(x: Any) -> str:
+    return str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
+
+
+def check_kv(x: Any, spec: MethodSpec, arrays: ArrayAdapter, what: str = "keys") -> tuple[int, int, int, int]:
+    """Check a K/V array ``[batch, kv_heads, tokens, head_dim]``; return its shape."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise InputError(f"{what}: got {type(x).__name__}; expected an array [batch, kv_heads, tokens, head_dim]")
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 4:
+        raise InputError(f"{what}: got rank {len(shape)} shape {list(shape)}; expected rank 4 [batch, kv_heads, tokens, head_dim]")
+    if min(shape) < 1:
+        raise InputError(f"{what}: got empty shape {list(shape)}; every dimension must be >= 1")
+    if shape[3] != spec.head_dim:
+        raise InputError(f"{what}: head_dim {shape[3]} does not match the spec's head_dim={spec.head_dim}")
+    _check_float_finite(x, arrays, what)
+    return shape  # type: ignore[return-value]
+
+
+def _check_float_finite(x: Any, arrays: ArrayAdapter, what: str) -> None:
+    name = dtype_name(x)
+    if name not in _FLOAT_NAMES:
+        raise InputError(f"{what}: dtype {name} is not supported; expected one of {', '.join(_FLOAT_NAMES)}")
+    if not arrays.all_finite(x):
+        raise InputError(f"{what}: contains NaN or Inf; kvq rejects non-finite input rather than store garbage codes")
+
+
+def check_packed(p: Any, spec: MethodSpec, kind: str) -> PackedKV:
+    """Check a packed block belongs to this quantizer's spec and holds ``kind``."""
+    if not isinstance(p, PackedKV):
+        raise InputError(f"expected a PackedKV of {kind}; got {type(p).__name__}")
+    if p.kind != kind:
+        raise InputError(f"expected packed {kind}; got packed {p.kind}")
+    if p.spec != spec:
+        raise LayoutError(f"packed block was made with {p.spec.describe()}; this quantizer has {spec.describe()}")
+    p.validate()
+    return p
+
+
+def check_query(q: Any, pk: PackedKV, pv: PackedKV, arrays: ArrayAdapter) -> tuple[int, int, int, int]:
+    """Check a query ``[batch, q_heads, q_len, head_dim]`` against packed keys and values."""
+    shape = getattr(q, "shape", None)
+    if shape is None or len(shape) != 4:
+        raise InputError(f"query: got shape {None if shape is None else list(shape)}; expected rank 4 [batch, q_heads, q_len, head_dim]")
+    shape = tuple(int(s) for s in shape)
+    if min(shape) < 1:
+        raise InputError(f"query: got empty shape {list(shape)}; every dimension must be >= 1")
+    b, hk, t, d = pk.shape
+    if pv.shape != pk.shape:
+        raise InputError(f"packed values shape {list(pv.shape)} differs from packed keys shape {list(pk.shape)}")
+    if shape[0] != b:
+        raise InputError(f"query batch {shape[0]} does not match the cache batch {b}")
+    if shape[3] != d:
+        raise InputError(f"query head_dim {shape[3]} does not match the cache head_dim {d}")
+    if shape[1] % hk:
+        raise InputError(f"query heads {shape[1]} is not a multiple of kv_heads {hk} (GQA needs q_heads = g * kv_heads)")
+    _check_float_finite(q, arrays, "query")
+    return shape  # type: ignore[return-value]

@@ -1,0 +1,97 @@
+"""Bad input gets a typed error at the API boundary, naming the value and what was expected.
+
+Parametrised over every registered method on the NumPy reference. Decision: NaN/Inf input is
+rejected (InputError) rather than encoded, since no codec can store it meaningfully.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvq_core
+from kvq_core.errors import InputError, LayoutError, SpecError
+
+METHODS = [m.name for m in kvq_core.list_methods() if "numpy" in m.detail]
+
+
+@pytest.fixture(params=METHODS)
+def q(request):
+    return kvq_core.get_quantizer(request.param, backend="numpy", head_dim=64)
+
+
+def _kv(shape=(1, 2, 40, 64), seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_wrong_rank(q) -> None:
+    with pytest.raises(InputError, match=r"rank 3 shape \[2, 40, 64\].*expected rank 4"):
+        q.encode_keys(_kv()[0])
+
+
+def test_head_dim_mismatch(q) -> None:
+    with pytest.raises(InputError, match="head_dim 128 does not match the spec's head_dim=64"):
+        q.encode_values(_kv((1, 2, 4, 128)))
+
+
+def test_empty_array(q) -> None:
+    with pytest.raises(InputError, match=r"empty shape \[1, 2, 0, 64\]"):
+        q.encode_keys(np.zeros((1, 2, 0, 64), np.float32))
+
+
+def test_integer_dtype(q) -> None:
+    with pytest.raises(InputError, match="dtype int32 is not supported"):
+        q.encode_keys(np.ones((1, 2, 4, 64), np.int32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_rejected(q, bad: float) -> None:
+    k = _kv()
+    k[0, 1, 3, 5] = bad
+    with pytest.raises(InputError, match="NaN or Inf"):
+        q.encode_keys(k)
+
+
+def test_not_an_array(q) -> None:
+    with pytest.raises(InputError, match="got list"):
+        q.encode_keys([[1.0, 2.0]])
+
+
+def test_query_checks(q) -> None:
+    k = _kv()
+    pk, pv = q.encode_keys(k), q.encode_values(k)
+    with pytest.raises(InputError, match="query heads 3 is not a multiple of kv_heads 2"):
+        q.attend(_kv((1, 3, 1, 64)), pk, pv)
+    with pytest.raises(InputError, match="query head_dim 32 does not match"):
+        q.attend(_kv((1, 2, 1, 32)), pk, pv)
+    with pytest.raises(InputError, match="query batch 2 does not match the cache batch 1"):
+        q.attend(_kv((2, 2, 1, 64)), pk, pv)
+    with pytest.raises(InputError, match="expected packed keys; got packed values"):
+        q.attend(_kv((1, 2, 1, 64)), pv, pk)
+    with pytest.raises(InputError, match="scale"):
+        q.attend(_kv((1, 2, 1, 64)), pk, pv, scale=-1.0)
+    q2 = np.where(np.ones((1, 4, 1, 64), bool), np.nan, 0).astype(np.float32)
+    with pytest.raises(InputError, match="query: contains NaN"):
+        q.attend(q2, pk, pv)
+
+
+def test_packed_from_another_spec_rejected(q) -> None:
+    other = kvq_core.get_quantizer("fp16", backend="numpy", head_dim=64, storage="float32")
+    pk = other.encode_keys(_kv())
+    if q.spec == other.spec:
+        pytest.skip("same spec")
+    with pytest.raises(LayoutError, match="packed block was made with fp16"):
+        q.decode_keys(pk)
+
+
+def test_head_dim_not_power_of_two_rejected() -> None:
+    for method in METHODS:
+        with pytest.raises(SpecError, match="head_dim=96"):
+            kvq_core.get_quantizer(method, backend="numpy", head_dim=96)
+
+
+def test_attend_output_shapes_and_gqa(q) -> None:
+    k = _kv((2, 2, 33, 64))
+    pk, pv = q.encode_keys(k), q.encode_values(k)
+    out, lse = q.attend(_kv((2, 6, 3, 64), seed=1), pk, pv, return_lse=True)
+    assert out.shape == (2, 6, 3, 64) and lse.shape == (2, 6, 3)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()

@@ -1,0 +1,63 @@
+"""The packed layout: the bit-packing rule, bits accounting and the PackedKV round trip."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvq_core
+from kvq_core.errors import LayoutError
+from kvq_core.layout import PackedKV, codes_field, pack_codes, packed_row_bytes, unpack_codes
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 16), count=st.integers(1, 70), rows=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_pack_unpack_round_trip(bits: int, count: int, rows: int, seed: int) -> None:
+    codes = np.random.default_rng(seed).integers(0, 2**bits, (rows, count))
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == np.uint8 and packed.shape == (rows, packed_row_bytes(count, bits))
+    np.testing.assert_array_equal(unpack_codes(packed, bits, count), codes)
+
+
+def test_bit_order_is_little_endian_stream() -> None:
+    # codes 1, 2, 3 at 2 bits -> stream 10 01 11 (LSB first) -> byte 0b00111001
+    assert pack_codes(np.array([[1, 2, 3]]), 2).tolist() == [[0b00111001]]
+    # a 3-bit code straddles bytes: codes 5, 6, 7 -> bits 101 011 111 (LSB first)
+    assert pack_codes(np.array([[5, 6, 7]]), 3).tolist() == [[0b11110101, 0b1]]
+    # 4 bits: the first code sits in the low nibble
+    assert pack_codes(np.array([[0xA, 0x3]]), 4).tolist() == [[0x3A]]
+
+
+def test_codes_field_shape_and_bad_bits() -> None:
+    f = codes_field("codes", (2, 3), 43, 7)
+    assert f.shape == (2, 3, 38) and f.dtype == "uint8" and f.nbytes == 2 * 3 * 38
+    with pytest.raises(LayoutError, match="bits=0"):
+        codes_field("codes", (1,), 4, 0)
+
+
+def test_bits_per_element_fp16_is_16() -> None:
+    q = kvq_core.get_quantizer("fp16", backend="numpy")
+    k = np.ones((2, 3, 5, 128), np.float32)
+    pk, pv = q.encode_keys(k), q.encode_values(k)
+    assert q.bits_per_element(pk) == 16.0
+    assert kvq_core.bits_per_element(pk, pv) == 16.0
+    assert kvq_core.get_quantizer("fp16", backend="numpy", storage="float32").bits_per_element(
+        kvq_core.get_quantizer("fp16", backend="numpy", storage="float32").encode_keys(k)) == 32.0
+
+
+def test_packed_dict_round_trip_and_validation() -> None:
+    q = kvq_core.get_quantizer("fp16", backend="numpy")
+    k = np.random.default_rng(0).standard_normal((1, 2, 7, 64)).astype(np.float32)
+    q = kvq_core.get_quantizer("fp16", backend="numpy", head_dim=64)
+    pk = q.encode_keys(k)
+    again = PackedKV.from_dict(pk.to_dict())
+    np.testing.assert_array_equal(q.decode_keys(again), q.decode_keys(pk))
+    bad = pk.to_dict()
+    bad["fields"]["data"] = bad["fields"]["data"][:, :, :3]
+    with pytest.raises(LayoutError, match="field 'data'"):
+        PackedKV.from_dict(bad)
+    bad = pk.to_dict()
+    bad["kind"] = "queries"
+    with pytest.raises(LayoutError, match="kind"):
+        PackedKV.from_dict(bad)
