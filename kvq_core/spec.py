@@ -49,11 +49,19 @@ class MethodSpec:
         value = getattr(self, param)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
             self._fail(param, f"an integer in [{lo}, {hi}]")
+        object.__setattr__(self, param, int(value))  # NumPy integers become plain ints (JSON)
 
     def _check_choice(self, param: str, choices: Iterable[Any]) -> None:
         choices = tuple(choices)
         if getattr(self, param) not in choices:
             self._fail(param, "one of " + ", ".join(repr(c) for c in choices))
+
+    def _check_float(self, param: str, lo: float, hi: float, lo_open: bool = False) -> None:
+        value = getattr(self, param)
+        ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
+        if not ok or not (lo < value <= hi if lo_open else lo <= value <= hi):
+            self._fail(param, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+        object.__setattr__(self, param, float(value))
 
     def _check_bool(self, param: str) -> None:
         if not isinstance(getattr(self, param), bool):

@@ -213,11 +213,15 @@ def test_int2_value_group_of_small_integers_is_exact(levels: list[int], shift: i
     np.testing.assert_array_equal(roundtrip_values(quantizer(**PLAIN), v), v)
 
 
-def test_codes_round_half_to_even() -> None:
-    """Range [0, 3] at INT2 gives step 1, so x = 0.5, 1.5, 2.5 sit exactly on ties."""
+def test_codes_and_zero_point_round_half_to_even() -> None:
+    """Step 1 at INT2: range [0, 3] puts x = 0.5, 1.5, 2.5 on ties; range [-0.5, 2.5] puts the
+    zero point rint(0.5) on one (0, so the offset is 0, not -1)."""
+    qz = quantizer(**PLAIN)
     group = np.array([0, 3, 0.5, 1.5, 2.5] + [1] * 27, np.float32)
-    decoded = roundtrip_keys(quantizer(**PLAIN), np.broadcast_to(group[:, None], (1, 1, 32, D)).copy())
+    decoded = roundtrip_keys(qz, np.broadcast_to(group[:, None], (1, 1, 32, D)).copy())
     np.testing.assert_array_equal(decoded[0, 0, :5, 0], [0, 3, 0, 2, 2])
+    shifted = np.broadcast_to(np.array([-0.5, 2.5] + [1] * 30, np.float32)[:, None], (1, 1, 32, D))
+    assert (qz.encode_keys(shifted.copy()).fields["offset"] == 0).all()
 
 
 def test_partial_last_group_uses_only_its_real_tokens() -> None:

@@ -1,29 +1,48 @@
 """Asymmetric min/max integer quantization over groups along one axis (OScaR, KIVI, QuaRot, QJL values).
 
-Formula (specs/oscar.md 1.4, KIVI): with L = 2^bits - 1, per group
-``mn, mx = min, max`` (both 0 -> -1, +1); if mx > mn: ``s = (mx - mn) / L`` (float32),
-``zq = rint(-mn / s)``, ``q = clip(rint(x / s + zq), 0, L)``; stored ``scale = f16(s)`` and
-``offset = f16(-zq * s)``. A constant group stores ``s = 0, q = 0, offset = f16(mn)``.
-Decode is ``q * scale + offset`` in float32. ``rint`` rounds half to even.
+With L = 2^bits - 1 and, per group, ``mn, mx = clip_ratio * (min, max)``:
+
+- ``zero_point="integer"`` (OScaR, QuaRot; specs/oscar.md 1.4): both 0 -> -1, +1; if mx > mn:
+  ``s = (mx - mn) / L``, ``zq = rint(-mn / s)``, ``q = clip(rint(x / s + zq), 0, L)``,
+  stored ``scale = f16(s)``, ``offset = f16(-zq * s)`` (0 is exactly representable);
+- ``zero_point="min"`` (KIVI's official code): ``q = clip(rint((x - mn) / s), 0, L)``,
+  ``offset = f16(mn)`` (the group minimum is exactly representable).
+
+A constant group (mx == mn, incl. all-zero under "min") stores ``scale = 0, q = 0, offset = f16(mn)``.
+Decode is ``q * scale + offset`` in float32. ``s`` is float32 arithmetic; ``rint`` rounds half to even.
+``clip_ratio`` < 1 shrinks the range towards 0 (QuaRot's clipping): mn, mx = ρ·min(x_min, 0), ρ·max(x_max, 0).
 """
 from __future__ import annotations
 
 import numpy as np
 
+ZERO_POINTS = ("integer", "min")
 
-def _split_groups(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """View the last axis as ``(ngroups, group)``, padding the partial last group with NaN.
 
-    Returns the padded float32 array and a boolean mask of real elements.
-    """
+def _split_groups(x: np.ndarray, group: int) -> np.ndarray:
+    """View the last axis as ``(ngroups, group)``, padding the partial last group with NaN."""
     n = x.shape[-1]
     ngroups = -(-n // group)
     pad = ngroups * group - n
     xp = np.concatenate([x, np.full((*x.shape[:-1], pad), np.nan, np.float32)], axis=-1) if pad else x
-    return xp.reshape(*x.shape[:-1], ngroups, group), pad
+    return xp.reshape(*x.shape[:-1], ngroups, group)
 
 
-def quantize(x: np.ndarray, bits: int, group: int, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _group_range(g: np.ndarray, zero_point: str, clip_ratio: float) -> tuple[np.ndarray, np.ndarray]:
+    mn, mx = np.nanmin(g, axis=-1), np.nanmax(g, axis=-1)
+    if clip_ratio != 1.0:
+        ratio = np.float32(clip_ratio)
+        mn, mx = ratio * np.minimum(mn, 0), ratio * np.maximum(mx, 0)
+    if zero_point == "integer":
+        both_zero = (mn == 0) & (mx == 0)
+        mn = np.where(both_zero, np.float32(-1), mn)
+        mx = np.where(both_zero, np.float32(1), mx)
+    return mn.astype(np.float32), mx.astype(np.float32)
+
+
+def quantize(
+    x: np.ndarray, bits: int, group: int, axis: int, zero_point: str = "integer", clip_ratio: float = 1.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize ``x`` in groups of ``group`` consecutive elements along ``axis``.
 
     Returns ``codes`` (int64, shape of x), ``scale`` and ``offset`` (float16, ``axis`` replaced
@@ -32,21 +51,22 @@ def quantize(x: np.ndarray, bits: int, group: int, axis: int) -> tuple[np.ndarra
     levels = np.float32(2**bits - 1)
     xm = np.moveaxis(np.asarray(x, np.float32), axis, -1)
     n = xm.shape[-1]
-    g, _ = _split_groups(xm, group)
-    mn = np.nanmin(g, axis=-1)
-    mx = np.nanmax(g, axis=-1)
-    both_zero = (mn == 0) & (mx == 0)
-    mn = np.where(both_zero, np.float32(-1), mn)
-    mx = np.where(both_zero, np.float32(1), mx)
+    g = _split_groups(xm, group)
+    mn, mx = _group_range(g, zero_point, clip_ratio)
     varying = mx > mn
     s = np.where(varying, (mx - mn) / levels, np.float32(0)).astype(np.float32)
-    safe_s = np.where(varying, s, np.float32(1))
-    zq = np.where(varying, np.rint(-mn / safe_s), np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(g / safe_s[..., None] + zq[..., None]), 0, levels)
-    q = np.where(varying[..., None], q, 0)
+    safe_s = np.where(varying, s, np.float32(1))[..., None]
+    if zero_point == "integer":
+        zq = np.where(varying, np.rint(-mn / safe_s[..., 0]), np.float32(0)).astype(np.float32)
+        q = np.rint(g / safe_s + zq[..., None])
+        offset = np.where(varying, -zq * s, mn)
+    else:
+        q = np.rint((g - mn[..., None]) / safe_s)
+        offset = mn
+    q = np.where(varying[..., None], np.clip(q, 0, levels), 0)
     codes = np.nan_to_num(q, nan=0.0).reshape(*xm.shape[:-1], -1)[..., :n].astype(np.int64)
-    offset = np.where(varying, -zq * s, mn).astype(np.float16)
-    return np.moveaxis(codes, -1, axis), np.moveaxis(s.astype(np.float16), -1, axis), np.moveaxis(offset, -1, axis)
+    return (np.moveaxis(codes, -1, axis), np.moveaxis(s.astype(np.float16), -1, axis),
+            np.moveaxis(offset.astype(np.float16), -1, axis))
 
 
 def dequantize(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, group: int, axis: int) -> np.ndarray:

@@ -17,7 +17,7 @@ class KiviKernels:
         self.spec = spec
 
     def _encode(self, x: np.ndarray, axis: int) -> dict[str, np.ndarray]:
-        codes, scale, offset = intquant.quantize(x, self.spec.bits, self.spec.group, axis)
+        codes, scale, offset = intquant.quantize(x, self.spec.bits, self.spec.group, axis, zero_point="min")
         return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "offset": offset}
 
     def _decode(self, fields: dict[str, np.ndarray], axis: int) -> np.ndarray:
@@ -36,6 +36,8 @@ class KiviKernels:
     def decode_values(self, fields: dict[str, np.ndarray], ctx: KernelContext) -> np.ndarray:
         return self._decode(fields, CHANNEL_AXIS)
 
-    def attend(self, q, kfields, vfields, ctx: KernelContext, scale: float):
+    def attend(
+        self, q: np.ndarray, kfields: dict[str, np.ndarray], vfields: dict[str, np.ndarray], ctx: KernelContext, scale: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         """KIVI's fused kernel is dequantize-then-matmul, so the reference is exactly that."""
         return softmax_attend(q, self.decode_keys(kfields, ctx), self.decode_values(vfields, ctx), scale)

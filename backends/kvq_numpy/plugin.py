@@ -1,7 +1,7 @@
 """Registers the NumPy reference backend through kvq's hooks, like any third-party plugin."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from kvq_core.hookspecs import hookimpl
 from kvq_core.registry import BackendInfo

@@ -82,7 +82,9 @@ class PolarQuantKernels:
     encode_values = encode_keys
     decode_values = decode_keys
 
-    def attend(self, q, kfields, vfields, ctx: KernelContext, scale: float):
+    def attend(
+        self, q: np.ndarray, kfields: dict[str, np.ndarray], vfields: dict[str, np.ndarray], ctx: KernelContext, scale: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Score R q against the rotated-domain keys (R orthogonal keeps q.k); un-rotate the output once."""
         k_rot = polar_decode(kfields, self.spec, ctx)
         v_rot = polar_decode(vfields, self.spec, ctx)

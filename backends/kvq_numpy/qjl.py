@@ -25,7 +25,7 @@ def group_by_kv_head(q: np.ndarray, kv_heads: int) -> np.ndarray:
 
 def sketch(x: np.ndarray, s: np.ndarray) -> np.ndarray:
     """S x for x [b, h, n, d] and per-head S [h, m, d]: [b, h, n, m]."""
-    return np.einsum("hmd,bhnd->bhnm", s, x)
+    return x @ np.swapaxes(s, -1, -2)
 
 
 def encode_signs(x: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -46,14 +46,14 @@ def estimator_scale(m: int) -> float:
 def qjl_scores(q_sketch: np.ndarray, packed: np.ndarray, norm: np.ndarray) -> np.ndarray:
     """sqrt(pi/2)/m * norm_t * <S q, h_t>, the unbiased estimate of <q, k_t>: [b, h, n, t] float64."""
     m = q_sketch.shape[-1]
-    dots = np.einsum("bhnm,bhtm->bhnt", q_sketch.astype(np.float64), decode_signs(packed, m))
+    dots = q_sketch.astype(np.float64) @ np.swapaxes(decode_signs(packed, m), -1, -2)
     return estimator_scale(m) * dots * norm.astype(np.float64)[:, :, None, :]
 
 
 def qjl_reconstruct(packed: np.ndarray, norm: np.ndarray, s: np.ndarray) -> np.ndarray:
     """sqrt(pi/2)/m * norm * S^T h, the vector whose inner products are the estimator: [b, h, t, d]."""
     m = s.shape[1]
-    back = np.einsum("bhtm,hmd->bhtd", decode_signs(packed, m), s)
+    back = decode_signs(packed, m) @ s
     return (estimator_scale(m) * norm[..., None] * back).astype(np.float32)
 
 

@@ -18,12 +18,6 @@ def _rotate(x: np.ndarray, ctx: KernelContext) -> np.ndarray:
     return x @ ctx.consts["hadamard"] if "hadamard" in ctx.consts else x
 
 
-def _clip(x: np.ndarray, ratio: float) -> np.ndarray:
-    """QuaRot's clipping: saturate each token to ``ratio`` times its range widened to include 0."""
-    lo = np.minimum(x.min(axis=-1, keepdims=True), 0) * np.float32(ratio)
-    hi = np.maximum(x.max(axis=-1, keepdims=True), 0) * np.float32(ratio)
-    return np.clip(x, lo, hi)
-
 
 class QuaRotKernels:
     def __init__(self, spec: QuaRotSpec) -> None:
@@ -31,7 +25,7 @@ class QuaRotKernels:
 
     def _encode_rotated(self, y: np.ndarray) -> dict[str, np.ndarray]:
         d = self.spec.head_dim
-        codes, scale, offset = intquant.quantize(_clip(y, self.spec.clip_ratio), self.spec.bits, d, CHANNEL_AXIS)
+        codes, scale, offset = intquant.quantize(y, self.spec.bits, d, CHANNEL_AXIS, clip_ratio=self.spec.clip_ratio)
         return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "offset": offset}
 
     def _decode_rotated(self, fields: dict[str, np.ndarray]) -> np.ndarray:
@@ -48,7 +42,9 @@ class QuaRotKernels:
     encode_values = encode_keys
     decode_values = decode_keys
 
-    def attend(self, q, kfields, vfields, ctx: KernelContext, scale: float):
+    def attend(
+        self, q: np.ndarray, kfields: dict[str, np.ndarray], vfields: dict[str, np.ndarray], ctx: KernelContext, scale: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Score H q against the rotated-domain keys (H orthonormal keeps q.k), rotate the output back once."""
         out, lse = softmax_attend(_rotate(q, ctx), self._decode_rotated(kfields), self._decode_rotated(vfields), scale)
         return _rotate(out, ctx), lse

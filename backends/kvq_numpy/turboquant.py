@@ -22,14 +22,14 @@ Fields = dict[str, np.ndarray]
 def rotate(x: np.ndarray, consts: Consts) -> np.ndarray:
     """R x on the last axis of [b, kv_heads, n, d]: H diag(s) x, or the head's Haar matrix times x."""
     if "rotation" in consts:
-        return np.einsum("hij,bhnj->bhni", consts["rotation"], x)
+        return x @ np.swapaxes(consts["rotation"], -1, -2)
     return fwht(consts["signs"][:, None, :] * x)
 
 
 def unrotate(y: np.ndarray, consts: Consts) -> np.ndarray:
     """R^T y, the inverse of :func:`rotate`."""
     if "rotation" in consts:
-        return np.einsum("hij,bhni->bhnj", consts["rotation"], y)
+        return y @ consts["rotation"]
     return consts["signs"][:, None, :] * fwht(y)
 
 
@@ -93,7 +93,7 @@ def decode_prod_rotated(fields: Fields, spec: TurboQuantProdSpec, consts: Consts
 
 def prod_scores(q_rot: np.ndarray, fields: Fields, spec: TurboQuantProdSpec, consts: Consts) -> np.ndarray:
     """n_t (<q', c_t> + sqrt(pi/2)/d gamma_t <S q', h_t>) for rotated queries q' [b, h, n, d]: [b, h, n, t]."""
-    mse = np.einsum("bhnd,bhtd->bhnt", q_rot, dequantize_coords(fields, spec.mse_stage, consts).astype(np.float64))
+    mse = q_rot @ np.swapaxes(dequantize_coords(fields, spec.mse_stage, consts), -1, -2).astype(np.float64)
     residual = qjl_scores(sketch(q_rot, consts["sketch"]), fields["qjl"], fields["residual_norm"])
     return (mse + residual) * fields["norm"].astype(np.float64)[:, :, None, :]
 

@@ -4,11 +4,9 @@ Keys are quantized per channel over groups of ``group`` consecutive tokens (key 
 fixed channels, so a channel's range is tight); values per token over groups of ``group``
 channels. Both use asymmetric min/max round-to-nearest (specs/baselines.md section 4).
 
-Zero-point: KIVI stores the group minimum as a float zero-point (``v = q s + min``). This codec
-uses the shared quantizer of the NumPy backend (``kvq_numpy.intquant``), whose zero-point is an
-integer (``v = (q - z) s``, ``z = rint(-min / s)``, as OScaR and QuaRot store it): the same
-scale, the same storage (two float16 per group), and 0 is exactly representable, but a
-group's minimum is reproduced only to within s/2 instead of exactly.
+Zero-point: as KIVI's official code, the group minimum is the float zero-point
+(``v = q s + min``, ``zero_point="min"`` in the shared quantizer), stored float16 beside the
+float16 scale; a constant or all-zero group (zero range) reconstructs exactly with scale 0.
 """
 from __future__ import annotations
 

@@ -28,11 +28,9 @@ import dataclasses
 import numpy as np
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
-from kvq_core.math.codebooks import polar_angle_codebook
+from kvq_core.math.codebooks import MAX_BITS, polar_angle_codebook
 from kvq_core.math.signs import random_signs
 from kvq_core.spec import MethodSpec
-
-MAX_ANGLE_BITS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +53,9 @@ class PolarQuantSpec(MethodSpec):
         super().validate()
         bits = self.level_bits
         if not isinstance(bits, (tuple, list)) or not bits or any(
-            isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= MAX_ANGLE_BITS for b in bits
+            isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= MAX_BITS for b in bits
         ):
-            self._fail("level_bits", f"a non-empty sequence of integers in [1, {MAX_ANGLE_BITS}], one per level")
+            self._fail("level_bits", f"a non-empty sequence of integers in [1, {MAX_BITS}], one per level")
         self._set("level_bits", tuple(int(b) for b in bits))  # hashable and plain-JSON
         if self.head_dim % self.block:
             self._fail("level_bits", f"at most log2(head_dim)={self.head_dim.bit_length() - 1} levels "

@@ -1,0 +1,353 @@
+"""Shared torch helpers for every method's kernels: the torch mirrors of the NumPy reference helpers.
+
+Everything here is a pure function of tensors (no NumPy, no data-dependent Python control flow),
+so it runs eagerly on any device, inside the ``kvq::`` custom ops, and under
+``torch.compile(dynamic=True)`` / ``torch.export``. Arithmetic follows the reference op for op in
+float32, so codes match the NumPy backend bit for bit except where a float32 reduction order
+differs (then only at genuine rounding ties, see :mod:`kvq_core.testing`).
+
+Contents:
+
+- :class:`TorchContext`, :class:`TorchMethod`: what a method's torch kernels receive and subclass;
+- :func:`consts_for`: the core's constants as tensors on a device, cached;
+- :func:`pack_codes` / :func:`unpack_codes`: the bit rule of :mod:`kvq_core.layout`;
+- :func:`fwht`: the butterfly of :func:`kvq_core.math.hadamard.fwht`, stage for stage;
+- :func:`tree_sum`: an order-fixed float32 sum (eager and inductor add in the same order);
+- :func:`asym_quantize` / :func:`asym_dequantize`: the asymmetric min/max group quantizer of
+  ``kvq_numpy/intquant.py`` and ``kvq_numpy/oscar.py``;
+- :func:`group_tokens` / :func:`ungroup_tokens` / :func:`group_channels`;
+- :func:`codebook_quantize`: nearest centroid as ``np.searchsorted(thresholds, x, side="right")``;
+- :func:`softmax_attend`: attention with GQA and a per-token logit scale, returning (out, lse).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvq_core.spec import MethodSpec
+
+Fields = dict[str, torch.Tensor]
+Consts = Mapping[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# contexts, method base class, constants
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TorchContext:
+    """The torch twin of :class:`kvq_core.kernels.KernelContext`: the spec, the layer, the K/V
+    block shape ``(batch, kv_heads, tokens, head_dim)`` (ints or SymInts) and the spec's
+    constants as tensors on the data's device (float32 where the core gives float32)."""
+
+    spec: MethodSpec
+    layer: int
+    shape: tuple[Any, Any, Any, Any]
+    consts: Consts
+
+
+class TorchMethod:
+    """Base of a method's torch kernels (one subclass per method, listed in ``plugin.KERNELS``).
+
+    Subclasses implement the five functions of :class:`kvq_core.kernels.MethodKernels` on torch
+    tensors with a :class:`TorchContext` (tensor constants) in place of the NumPy one:
+
+    - ``encode_keys(k, ctx) -> dict`` of fields (any float dtype in; compute in float32),
+    - ``decode_keys(fields, ctx) -> float32 [b, h, t, d]``,
+    - ``encode_values`` / ``decode_values`` likewise,
+    - ``attend(q, kfields, vfields, ctx, scale) -> (out float32 [b, hq, lq, d], lse float32 [b, hq, lq])``.
+
+    Field dtypes and shapes must be exactly the spec's layout (uint8 code rows packed with
+    :func:`pack_codes`, float16/float32 side fields). Returned tensors must be new (never an
+    input or a view of one): the custom ops forbid aliasing. Read sizes from the tensors or from
+    ``ctx.shape``; never branch on tensor *values* in Python (that breaks compile and export).
+    """
+
+    def __init__(self, spec: MethodSpec) -> None:
+        self.spec = spec
+
+    def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
+        raise NotImplementedError
+
+    def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode_values(self, v: torch.Tensor, ctx: TorchContext) -> Fields:
+        return self.encode_keys(v, ctx)
+
+    def decode_values(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
+        return self.decode_keys(fields, ctx)
+
+    def attend(
+        self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Default: attention over the decoded K/V (override to score from the codes)."""
+        return softmax_attend(q.float(), self.decode_keys(kfields, ctx), self.decode_values(vfields, ctx), scale)
+
+
+_spec_cache: dict[str, MethodSpec] = {}
+_consts_cache: dict[tuple[str, int, int, str], dict[str, torch.Tensor]] = {}
+_cache_lock = threading.Lock()
+
+
+def spec_from_json(spec_json: str) -> MethodSpec:
+    """The spec a ``kvq::`` op's ``spec_json`` string names (cached per string)."""
+    spec = _spec_cache.get(spec_json)
+    if spec is None:
+        from kvq_core.registry import spec_from_dict
+
+        spec = spec_from_dict(json.loads(spec_json))
+        _spec_cache[spec_json] = spec
+    return spec
+
+
+def consts_for(spec_json: str, kv_heads: int, layer: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The core's constants of (spec, kv_heads, layer) as tensors on ``device``, computed once.
+
+    The arrays come from the core (``kvq_core.api``'s cached ``spec.constants``); kernels hold
+    no constants of their own. Call this outside traced code (the ops and the compiled backend do).
+    """
+    key = (spec_json, int(kv_heads), int(layer), str(torch.device(device)))
+    hit = _consts_cache.get(key)
+    if hit is not None:
+        return hit
+    from kvq_core.api import _constants
+
+    arrays = _constants(spec_from_json(spec_json), int(kv_heads), int(layer))
+    tensors = {name: torch.tensor(arr, device=device) for name, arr in arrays.items()}
+    with _cache_lock:
+        _consts_cache.setdefault(key, tensors)
+    return _consts_cache[key]
+
+
+def clear_caches() -> None:
+    """Forget cached specs and constant tensors (e.g. to free device memory)."""
+    with _cache_lock:
+        _spec_cache.clear()
+        _consts_cache.clear()
+
+
+def field_names(spec: MethodSpec, kind: str) -> tuple[str, ...]:
+    """Field names of ``kind`` ("keys"/"values") in layout order (they do not depend on the shape)."""
+    make = spec.key_layout if kind == "keys" else spec.value_layout
+    return tuple(make(1, 1, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# bit packing (kvq_core.layout's rule)
+# --------------------------------------------------------------------------------------------
+def packed_row_bytes(count: int, bits: int) -> int:
+    return (count * bits + 7) // 8
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes ``(..., count)`` (any integer dtype, values < 2**bits) into uint8 rows.
+
+    Code ``i`` takes stream bits ``[i*bits, (i+1)*bits)``, LSB first; stream bit ``j`` is bit
+    ``j % 8`` of byte ``j // 8``; rows are zero-padded to whole bytes (kvq_core.layout).
+    """
+    lead = codes.shape[:-1]
+    count = codes.shape[-1]
+    nbytes = packed_row_bytes(count, bits)
+    if 8 % bits == 0:  # whole codes per byte: OR shifted slices, all in uint8
+        per = 8 // bits
+        c = codes.to(torch.uint8)
+        pad = nbytes * per - count
+        if pad:
+            c = torch.nn.functional.pad(c, (0, pad))
+        c = c.reshape(*lead, nbytes, per)
+        out = c[..., 0]
+        for j in range(1, per):
+            out = out | (c[..., j] << (j * bits))
+        return out.contiguous() if per > 1 else out.clone()
+    c = codes.to(torch.int64)
+    shifts = torch.arange(bits, dtype=torch.int64, device=codes.device)
+    stream = ((c.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).reshape(*lead, count * bits)
+    pad = nbytes * 8 - count * bits
+    if pad:
+        stream = torch.nn.functional.pad(stream, (0, pad))
+    stream = stream.reshape(*lead, nbytes, 8)
+    out = stream[..., 0]
+    for j in range(1, 8):
+        out = out | (stream[..., j] << j)
+    return out.contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 rows to codes ``(..., count)`` of ``dtype``.
+
+    For ``bits <= 8`` a ``torch.uint8`` result is cheapest (codes stay one byte each).
+    """
+    lead = packed.shape[:-1]
+    if 8 % bits == 0:
+        per = 8 // bits
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        c = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        c = c.reshape(*lead, packed.shape[-1] * per)
+        if c.shape[-1] != count:
+            c = c[..., :count]
+        return c.to(dtype)
+    shifts8 = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    stream = ((packed.unsqueeze(-1) >> shifts8) & 1).reshape(*lead, packed.shape[-1] * 8)[..., : count * bits]
+    stream = stream.reshape(*lead, count, bits).to(torch.int64)
+    weights = torch.ones(bits, dtype=torch.int64, device=packed.device) << torch.arange(
+        bits, dtype=torch.int64, device=packed.device
+    )
+    return (stream * weights).sum(-1).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# float32 math mirrored from the reference
+# --------------------------------------------------------------------------------------------
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform on the last axis, float32 (``x @ H_d``).
+
+    The same butterfly stages in the same order as :func:`kvq_core.math.hadamard.fwht`, so the
+    float32 result is bit-identical to the reference (and between eager and inductor).
+    """
+    x = x.to(torch.float32)
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.reshape(-1, d // (2 * h), 2, h)
+        top, bottom = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((top + bottom, top - bottom), dim=2)
+        h *= 2
+    return y.reshape(*lead, d) * _inv_sqrt(d)
+
+
+def _inv_sqrt(d: int) -> float:
+    """float32(1 / sqrt(d)) as a Python float (the reference multiplies by this float32 scalar)."""
+    return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over ``dim`` by pairwise halving (zero-padded to a power of two), in x's dtype.
+
+    Only elementwise adds in a fixed order: eager and inductor give the same bits, whatever
+    their reduction kernels would do. Use it where a sum feeds a rounding decision.
+    """
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    p = 1 << max(int(n) - 1, 0).bit_length()
+    if p != n:
+        x = torch.nn.functional.pad(x, (0, p - n))
+    while p > 1:
+        p //= 2
+        x = x[..., :p] + x[..., p:]
+    return x[..., 0]
+
+
+def group_tokens(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[b, h, t, d]`` -> ``[b, h, ceil(t/group), group, d]``, padding by repeating the last token.
+
+    Repeating a real token leaves a partial group's min and max those of its real tokens.
+    """
+    b, h, t, d = x.shape
+    pad = -t % group
+    if pad:
+        x = torch.cat([x, x[:, :, -1:, :].expand(b, h, pad, d)], dim=2)
+    return x.reshape(b, h, -1, group, d)
+
+
+def ungroup_tokens(x: torch.Tensor, tokens: Any) -> torch.Tensor:
+    """Inverse of :func:`group_tokens`: drop the padding tokens."""
+    b, h, g, size, d = x.shape
+    return x.reshape(b, h, g * size, d)[:, :, :tokens]
+
+
+def group_channels(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[..., d]`` -> ``[..., d/group, group]`` (group divides d)."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+def asym_quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization, one (scale, offset) per slice along ``dim`` (groups).
+
+    The float32 arithmetic of ``kvq_numpy.intquant.quantize`` / ``kvq_numpy.oscar.quantize``:
+    ``s = (mx - mn) / L``, ``zq = rint(-mn / s)``, ``q = clip(rint(x / s + zq), 0, L)``; an
+    all-zero group uses [-1, 1]; any other constant group stores ``s = 0, q = 0, offset = mn``.
+    Returns codes (uint8, shaped like ``x``) and float16 ``scale``/``offset`` with ``dim`` removed.
+    """
+    x = x.to(torch.float32)
+    levels = float(2**bits - 1)
+    mn = x.amin(dim=dim, keepdim=True)
+    mx = x.amax(dim=dim, keepdim=True)
+    all_zero = (mn == 0) & (mx == 0)
+    mn = torch.where(all_zero, -1.0, mn)
+    mx = torch.where(all_zero, 1.0, mx)
+    spread = mx > mn
+    step = torch.where(spread, (mx - mn) / levels, 1.0)
+    zq = torch.round(-mn / step)
+    codes = torch.where(spread, torch.clamp(torch.round(x / step + zq), 0.0, levels), 0.0)
+    scale = torch.where(spread, step, 0.0).squeeze(dim).to(torch.float16)
+    offset = torch.where(spread, -zq * step, mn).squeeze(dim).to(torch.float16)
+    return codes.to(torch.uint8), scale, offset
+
+
+def asym_dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dim: int) -> torch.Tensor:
+    """``codes * scale + offset`` in float32, the stats broadcast along ``dim`` (their group axis)."""
+    s = scale.to(torch.float32).unsqueeze(dim)
+    o = offset.to(torch.float32).unsqueeze(dim)
+    return codes.to(torch.float32) * s + o
+
+
+def codebook_quantize(x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """Nearest-centroid index ``i`` with ``t[i-1] <= x < t[i]``: ``np.searchsorted(t, x, side="right")``."""
+    return torch.bucketize(x.contiguous(), thresholds, right=True)
+
+
+def l2_norm(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """float32 Euclidean norm over ``dim`` with :func:`tree_sum` (order-fixed)."""
+    x = x.to(torch.float32)
+    return torch.sqrt(tree_sum(x * x, dim))
+
+
+# --------------------------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------------------------
+def softmax_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    token_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [b, hq, lq, d]`` over ``k, v [b, hk, t, d]`` (hq = g * hk), float32.
+
+    ``token_scale`` (broadcastable to ``[b, hk, t]``) multiplies each token's logit before the
+    softmax scale. Returns ``out [b, hq, lq, d]`` and ``lse [b, hq, lq]`` (natural log).
+    """
+    b, hq, lq, d = q.shape
+    hk, t = k.shape[1], k.shape[2]
+    qg = q.to(torch.float32).reshape(b, hk, (hq // hk) * lq, d)
+    logits = torch.matmul(qg, k.to(torch.float32).transpose(-1, -2))
+    if token_scale is not None:
+        logits = logits * token_scale.to(torch.float32).expand(b, hk, t).unsqueeze(2)
+    return softmax_combine(logits * scale, v.to(torch.float32), (b, hq, lq, d))
+
+
+def softmax_combine(
+    logits: torch.Tensor, v: torch.Tensor, out_shape: Sequence[Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last axis of scaled ``logits [b, hk, g*lq, t]`` applied to ``v [b, hk, t, d]``."""
+    b, hq, lq, d = out_shape
+    m = logits.amax(dim=-1, keepdim=True)
+    p = torch.exp(logits - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.matmul(p / denom, v)
+    lse = (m + torch.log(denom)).squeeze(-1)
+    return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+
+def per_kv_head(fn: Any, x: torch.Tensor, kv_heads: Any) -> torch.Tensor:
+    """Apply ``fn`` to ``x [b, q_heads, q_len, d]`` viewed as ``[b, kv_heads, g*q_len, d]``."""
+    b, _, _, d = x.shape
+    return fn(x.reshape(b, kv_heads, -1, d)).reshape(x.shape)
