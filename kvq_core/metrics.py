@@ -35,6 +35,13 @@ def topk_overlap(exact: np.ndarray, approx: np.ndarray, k: int = 8) -> float:
     return float(hits.mean() / k)
 
 
+def token_rel_err(k: np.ndarray, kh: np.ndarray) -> np.ndarray:
+    """``||k_t - k̂_t|| / ||k_t||`` across all heads per (batch, token) (specs/oscar.md 6.5)."""
+    err = np.sqrt(((k.astype(np.float64) - kh) ** 2).sum(axis=(1, 3)))
+    ref = np.sqrt((k.astype(np.float64) ** 2).sum(axis=(1, 3)))
+    return err / np.maximum(ref, 1e-30)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fidelity:
     """How well one quantizer preserves keys, values, scores and attention on one data set."""
@@ -43,6 +50,8 @@ class Fidelity:
     value_bits: float
     kv_bits: float
     key_rel_mse: float
+    key_token_rel_err: float
+    key_token_rel_err_max: float
     value_rel_mse: float
     ip_abs_err: float
     attn_rel_err: float
@@ -52,7 +61,8 @@ class Fidelity:
 def measure(quantizer: Quantizer, k: np.ndarray, v: np.ndarray, q: np.ndarray) -> Fidelity:
     """Encode K/V with ``quantizer`` and compare against full precision.
 
-    Relative MSEs are ``||x - x̂||² / ||x||²``; the inner-product error is the mean absolute
+    Relative MSEs are ``||x - x̂||² / ||x||²``; the per-token key errors are
+    the mean and worst of :func:`token_rel_err` (a sink token weighs like any other); the inner-product error is the mean absolute
     difference of ``q·k`` (scores from the decoded keys); the attention error is the relative
     L2 error of ``attend`` (scored from the codes) against exact attention.
     """
@@ -63,11 +73,14 @@ def measure(quantizer: Quantizer, k: np.ndarray, v: np.ndarray, q: np.ndarray) -
     exact = attention(q, k, v, scale)
     approx = np.asarray(quantizer.arrays.to_numpy(quantizer.attend(q, pk, pv)), np.float64)
     l_exact, l_approx = logits(q, k), logits(q, kh)
+    token_errs = token_rel_err(k, kh)
     return Fidelity(
         key_bits=pk.bits_per_element(),
         value_bits=pv.bits_per_element(),
         kv_bits=quantizer.bits_per_element([pk, pv]),
         key_rel_mse=float(((k - kh) ** 2).sum() / (k.astype(np.float64) ** 2).sum()),
+        key_token_rel_err=float(token_errs.mean()),
+        key_token_rel_err_max=float(token_errs.max()),
         value_rel_mse=float(((v - vh) ** 2).sum() / (v.astype(np.float64) ** 2).sum()),
         ip_abs_err=float(np.abs(l_exact - l_approx).mean()),
         attn_rel_err=float(np.linalg.norm(approx - exact) / np.linalg.norm(exact)),

@@ -16,7 +16,8 @@ from kvq_core.math.hadamard import fwht
 from kvq_core.math.octahedral import oct_decode
 from kvq_core.methods.octopus import OctopusSpec
 from kvq_numpy.attention import softmax_attend
-from kvq_numpy.octopus import rotate, triplets
+from kvq_numpy.octopus import triplets
+from kvq_numpy.rotation import signed_hadamard as rotate
 
 N_VECTORS = 20_000
 BITS = (2, 3, 4)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvq_core.layout import pack_codes, unpack_codes
+
 ZERO_POINTS = ("integer", "min")
 
 
@@ -77,3 +79,17 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, group: 
     idx = [slice(None)] * codes.ndim
     idx[axis] = slice(0, n)
     return codes.astype(np.float32) * s[tuple(idx)] + o[tuple(idx)]
+
+
+def encode_fields(
+    x: np.ndarray, bits: int, group: int, axis: int, zero_point: str = "integer", clip_ratio: float = 1.0
+) -> dict[str, np.ndarray]:
+    """:func:`quantize` as stored fields: ``codes`` bit-packed along the last axis, ``scale``, ``offset``."""
+    codes, scale, offset = quantize(x, bits, group, axis, zero_point, clip_ratio)
+    return {"codes": pack_codes(codes, bits), "scale": scale, "offset": offset}
+
+
+def decode_fields(fields: dict[str, np.ndarray], bits: int, head_dim: int, group: int, axis: int) -> np.ndarray:
+    """Inverse of :func:`encode_fields` for blocks whose last axis has ``head_dim`` entries (float32)."""
+    codes = unpack_codes(fields["codes"], bits, head_dim)
+    return dequantize(codes, fields["scale"], fields["offset"], group, axis)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 
 from kvq_core.kernels import KernelContext
-from kvq_core.layout import pack_codes, unpack_codes
 from kvq_core.methods.kivi import KiviSpec
 from kvq_numpy import intquant
 from kvq_numpy.attention import softmax_attend
@@ -17,12 +16,10 @@ class KiviKernels:
         self.spec = spec
 
     def _encode(self, x: np.ndarray, axis: int) -> dict[str, np.ndarray]:
-        codes, scale, offset = intquant.quantize(x, self.spec.bits, self.spec.group, axis, zero_point="min")
-        return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "offset": offset}
+        return intquant.encode_fields(x, self.spec.bits, self.spec.group, axis, zero_point="min")
 
     def _decode(self, fields: dict[str, np.ndarray], axis: int) -> np.ndarray:
-        codes = unpack_codes(fields["codes"], self.spec.bits, self.spec.head_dim)
-        return intquant.dequantize(codes, fields["scale"], fields["offset"], self.spec.group, axis)
+        return intquant.decode_fields(fields, self.spec.bits, self.spec.head_dim, self.spec.group, axis)
 
     def encode_keys(self, k: np.ndarray, ctx: KernelContext) -> dict[str, np.ndarray]:
         return self._encode(k, TOKEN_AXIS)

@@ -5,16 +5,14 @@ precision the GPU kernels work in. Keys stay in the rotated domain inside :meth:
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from kvq_core.kernels import KernelContext
 from kvq_core.layout import pack_codes, unpack_codes
-from kvq_core.math.hadamard import fwht
 from kvq_core.math.octahedral import oct_decode, oct_encode
 from kvq_core.methods.octopus import OctopusSpec
 from kvq_numpy.attention import softmax_attend
+from kvq_numpy.rotation import normalize_rotate, rotate_queries, unrotate, unrotate_output
 
 Consts = dict[str, np.ndarray]
 Fields = dict[str, np.ndarray]
@@ -22,28 +20,6 @@ Fields = dict[str, np.ndarray]
 # (xi, eta) index offsets joint rounding tries; the centre comes first so that ties (e.g. an
 # all-zero triplet, where every candidate scores 0) keep the plain indices.
 _NEIGHBOURS = np.array([(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)])
-
-
-def rotate(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
-    """R x = H diag(s) x on the last axis; ``signs`` broadcasts against ``x``."""
-    return fwht(signs * x)
-
-
-def unrotate(y: np.ndarray, signs: np.ndarray) -> np.ndarray:
-    """R^T y = diag(s) H y (H is symmetric and orthonormal)."""
-    return signs * fwht(y)
-
-
-def _head_signs(consts: Consts) -> np.ndarray:
-    """Signs shaped (kv_heads, 1, d) to broadcast over [batch, kv_heads, rows, d]."""
-    return consts["signs"][:, None, :]
-
-
-def _per_kv_head(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], x: np.ndarray, consts: Consts) -> np.ndarray:
-    """Apply ``rotate``/``unrotate`` to [b, q_heads, q_len, d] with each query head's kv-head signs."""
-    b, _, _, d = x.shape
-    kv_heads = consts["signs"].shape[0]
-    return fn(x.reshape(b, kv_heads, -1, d), _head_signs(consts)).reshape(x.shape)
 
 
 def _quantize(x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
@@ -102,10 +78,8 @@ def _split(spec: OctopusSpec, code: np.ndarray) -> tuple[np.ndarray, ...]:
 
 def encode(x: np.ndarray, spec: OctopusSpec, consts: Consts) -> Fields:
     """Fields ``codes`` and ``norm`` of a block [b, h, t, d]; a zero vector gets gamma 0."""
-    x = np.asarray(x, dtype=np.float32)
-    gamma = np.linalg.norm(x, axis=-1)
-    u = x / np.where(gamma > 0, gamma, 1)[..., None]
-    t = triplets(rotate(u, _head_signs(consts)), spec.n_triplets)
+    gamma, v = normalize_rotate(x, consts)
+    t = triplets(v, spec.n_triplets)
     rounding = _round_joint if spec.rounding == "joint" else _round_plain
     codes = _join(spec, *rounding(t, consts))
     return {"codes": pack_codes(codes, spec.triplet_bits), "norm": gamma}
@@ -120,7 +94,7 @@ def decode_rotated(fields: Fields, spec: OctopusSpec, consts: Consts) -> np.ndar
 
 def decode(fields: Fields, spec: OctopusSpec, consts: Consts) -> np.ndarray:
     """gamma * R^T v_hat in the original domain, float32 [b, h, t, d]."""
-    return fields["norm"][..., None] * unrotate(decode_rotated(fields, spec, consts), _head_signs(consts))
+    return fields["norm"][..., None] * unrotate(decode_rotated(fields, spec, consts), consts)
 
 
 class OctopusKernels:
@@ -149,10 +123,10 @@ class OctopusKernels:
         self, q: np.ndarray, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float
     ) -> tuple[np.ndarray, np.ndarray]:
         """Score gamma_j <R q, v_hat_j> without un-rotating keys; un-rotate the output once."""
-        q_rot = _per_kv_head(rotate, q, ctx.consts)
+        q_rot = rotate_queries(q, ctx.consts, ctx.shape[1])
         k_rot = decode_rotated(kfields, self.spec, ctx.consts)
         if self.spec.values == "fp16":
             return softmax_attend(q_rot, k_rot, vfields["data"], scale, token_scale=kfields["norm"])
         v_rot = vfields["norm"][..., None] * decode_rotated(vfields, self.spec, ctx.consts)
         out_rot, lse = softmax_attend(q_rot, k_rot, v_rot, scale, token_scale=kfields["norm"])
-        return _per_kv_head(unrotate, out_rot, ctx.consts), lse
+        return unrotate_output(out_rot, ctx.consts, ctx.shape[1]), lse

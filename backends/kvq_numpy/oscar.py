@@ -10,11 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvq_core.kernels import KernelContext
-from kvq_core.layout import pack_codes, unpack_codes
-from kvq_core.math.hadamard import fwht
 from kvq_core.methods.oscar import OscarSpec
 from kvq_numpy import intquant
 from kvq_numpy.attention import softmax_attend
+from kvq_numpy.rotation import hadamard
 
 TOKEN_AXIS, CHANNEL_AXIS = 2, 3  # of [batch, kv_heads, tokens, head_dim]
 
@@ -35,29 +34,23 @@ class OscarKernels:
     def _rotate(self, x: np.ndarray) -> np.ndarray:
         """``x @ H`` per head when the spec rotates; H is its own inverse, so this also un-rotates."""
         x = np.asarray(x, dtype=np.float32)
-        return fwht(x) if self.spec.rotation else x
+        return hadamard(x) if self.spec.rotation else x
 
     # -- codes <-> rotated domain -----------------------------------------------------------
-    def _pack(self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> dict[str, np.ndarray]:
-        return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "offset": offset}
-
-    def _unpack(self, fields: dict[str, np.ndarray]) -> np.ndarray:
-        return unpack_codes(fields["codes"], self.spec.bits, self.spec.head_dim)
-
     def _unit_keys(self, fields: dict[str, np.ndarray]) -> np.ndarray:
         """Dequantized keys in the rotated (and, with OTS, normalised) domain attention scores against."""
-        return intquant.dequantize(self._unpack(fields), fields["scale"], fields["offset"], self.spec.key_group, TOKEN_AXIS)
+        return intquant.decode_fields(fields, self.spec.bits, self.spec.head_dim, self.spec.key_group, TOKEN_AXIS)
 
     def _rotated_values(self, fields: dict[str, np.ndarray]) -> np.ndarray:
         """Dequantized values in the rotated domain."""
-        return intquant.dequantize(self._unpack(fields), fields["scale"], fields["offset"], self.spec.value_group, CHANNEL_AXIS)
+        return intquant.decode_fields(fields, self.spec.bits, self.spec.head_dim, self.spec.value_group, CHANNEL_AXIS)
 
     # -- kernels ----------------------------------------------------------------------------
     def encode_keys(self, k: np.ndarray, ctx: KernelContext) -> dict[str, np.ndarray]:
         kr = self._rotate(k)
         norm = token_norms(kr) if self.spec.token_scaling else None
         u = kr if norm is None else kr / norm[:, None, :, None]
-        fields = self._pack(*intquant.quantize(u, self.spec.bits, self.spec.key_group, TOKEN_AXIS))
+        fields = intquant.encode_fields(u, self.spec.bits, self.spec.key_group, TOKEN_AXIS)
         if norm is not None:
             fields["norm"] = norm
         return fields
@@ -69,7 +62,7 @@ class OscarKernels:
         return self._rotate(k)
 
     def encode_values(self, v: np.ndarray, ctx: KernelContext) -> dict[str, np.ndarray]:
-        return self._pack(*intquant.quantize(self._rotate(v), self.spec.bits, self.spec.value_group, CHANNEL_AXIS))
+        return intquant.encode_fields(self._rotate(v), self.spec.bits, self.spec.value_group, CHANNEL_AXIS)
 
     def decode_values(self, fields: dict[str, np.ndarray], ctx: KernelContext) -> np.ndarray:
         return self._rotate(self._rotated_values(fields))

@@ -9,33 +9,11 @@ import numpy as np
 
 from kvq_core.kernels import KernelContext
 from kvq_core.layout import pack_codes, unpack_codes
-from kvq_core.math.hadamard import fwht
 from kvq_core.methods.polarquant import PolarQuantSpec
 from kvq_numpy.attention import softmax_attend
+from kvq_numpy.rotation import rotate, rotate_queries, unrotate, unrotate_output
 
 TWO_PI = np.float32(2 * np.pi)
-
-
-def _signs(ctx: KernelContext, heads: int) -> np.ndarray | None:
-    """Per-head signs of R broadcast to ``[1, heads, 1, d]`` (GQA: q head j uses kv head j // g)."""
-    s = ctx.consts.get("signs")
-    if s is None:
-        return None
-    return np.repeat(s, heads // s.shape[0], axis=0)[None, :, None, :]
-
-
-def rotate(x: np.ndarray, ctx: KernelContext) -> np.ndarray:
-    """y = R x = H (s * x) per head, float32 (identity when the spec has no rotation)."""
-    x = np.asarray(x, np.float32)
-    s = _signs(ctx, x.shape[1])
-    return x if s is None else fwht(x * s)
-
-
-def unrotate(y: np.ndarray, ctx: KernelContext) -> np.ndarray:
-    """x = R^T y = s * (H y) per head, float32."""
-    y = np.asarray(y, np.float32)
-    s = _signs(ctx, y.shape[1])
-    return y if s is None else s * fwht(y)
 
 
 def _pairs(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -74,10 +52,11 @@ class PolarQuantKernels:
         self.spec = spec
 
     def encode_keys(self, k: np.ndarray, ctx: KernelContext) -> dict[str, np.ndarray]:
-        return polar_encode(rotate(k, ctx), self.spec, ctx)
+        """Rotate (R = H diag(s) per kv head, or none) in float32, then polar-code."""
+        return polar_encode(rotate(np.asarray(k, np.float32), ctx.consts), self.spec, ctx)
 
     def decode_keys(self, fields: dict[str, np.ndarray], ctx: KernelContext) -> np.ndarray:
-        return unrotate(polar_decode(fields, self.spec, ctx), ctx)
+        return unrotate(polar_decode(fields, self.spec, ctx), ctx.consts)
 
     encode_values = encode_keys
     decode_values = decode_keys
@@ -88,5 +67,7 @@ class PolarQuantKernels:
         """Score R q against the rotated-domain keys (R orthogonal keeps q.k); un-rotate the output once."""
         k_rot = polar_decode(kfields, self.spec, ctx)
         v_rot = polar_decode(vfields, self.spec, ctx)
-        out, lse = softmax_attend(rotate(q, ctx), k_rot, v_rot, scale)
-        return unrotate(out, ctx), lse
+        kv_heads = ctx.shape[1]
+        q_rot = rotate_queries(np.asarray(q, np.float32), ctx.consts, kv_heads)
+        out, lse = softmax_attend(q_rot, k_rot, v_rot, scale)
+        return unrotate_output(out, ctx.consts, kv_heads), lse

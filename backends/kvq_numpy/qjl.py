@@ -12,15 +12,10 @@ import numpy as np
 from kvq_core.kernels import KernelContext
 from kvq_core.layout import pack_codes, unpack_codes
 from kvq_core.methods.qjl import QJLSpec
+from kvq_numpy.attention import by_kv_head, from_kv_head, softmax_over_logits
 from kvq_numpy.kivi import KiviKernels
 
 Fields = dict[str, np.ndarray]
-
-
-def group_by_kv_head(q: np.ndarray, kv_heads: int) -> np.ndarray:
-    """Queries [b, q_heads, q_len, d] as [b, kv_heads, g * q_len, d] (GQA: q head i reads kv head i // g)."""
-    b, _, _, d = q.shape
-    return q.reshape(b, kv_heads, -1, d)
 
 
 def sketch(x: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -57,21 +52,6 @@ def qjl_reconstruct(packed: np.ndarray, norm: np.ndarray, s: np.ndarray) -> np.n
     return (estimator_scale(m) * norm[..., None] * back).astype(np.float32)
 
 
-def attend_logits(logits: np.ndarray, v: np.ndarray, scale: float, q_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax of ``scale * logits`` [b, hk, g*lq, t] over tokens, applied to v [b, hk, t, dv].
-
-    Returns ``out`` [b, hq, lq, dv] and ``lse`` [b, hq, lq] (float32), as softmax_attend does.
-    """
-    b, hq, lq, _ = q_shape
-    z = scale * logits
-    m = z.max(axis=-1, keepdims=True)
-    p = np.exp(z - m)
-    denom = p.sum(axis=-1, keepdims=True)
-    out = np.einsum("bhqt,bhtd->bhqd", p / denom, v.astype(np.float64))
-    lse = (m + np.log(denom))[..., 0]
-    return out.reshape(b, hq, lq, -1).astype(np.float32), lse.reshape(b, hq, lq).astype(np.float32)
-
-
 class QJLKernels:
     """Keys: signs of S k and ||k||, scored by the QJL estimator; values: KIVI's per-token INT codec."""
 
@@ -98,6 +78,7 @@ class QJLKernels:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Sketch the query once, score every key by the estimator, softmax over decoded values."""
         s = ctx.consts["sketch"]
-        q_sketch = sketch(group_by_kv_head(np.asarray(q, np.float64), s.shape[0]), s)
+        q_sketch = sketch(by_kv_head(np.asarray(q, np.float64), ctx.shape[1]), s)
         logits = qjl_scores(q_sketch, kfields["qjl"], kfields["norm"])
-        return attend_logits(logits, self.decode_values(vfields, ctx), scale, q.shape)
+        out, lse = softmax_over_logits(logits, self.decode_values(vfields, ctx), scale)
+        return from_kv_head(out, q.shape), from_kv_head(lse, q.shape)

@@ -4,19 +4,18 @@ from __future__ import annotations
 import numpy as np
 
 from kvq_core.kernels import KernelContext
-from kvq_core.layout import pack_codes, unpack_codes
 from kvq_core.methods.quarot import QuaRotSpec
 from kvq_numpy import intquant
 from kvq_numpy.attention import softmax_attend
+from kvq_numpy.rotation import hadamard
 
 CHANNEL_AXIS = 3
 
 
 def _rotate(x: np.ndarray, ctx: KernelContext) -> np.ndarray:
-    """x H (H symmetric and orthonormal, so this is also the inverse); identity without rotation."""
+    """x H by the spec's dense float32 H (its own inverse, so this also un-rotates); identity without rotation."""
     x = np.asarray(x, np.float32)
-    return x @ ctx.consts["hadamard"] if "hadamard" in ctx.consts else x
-
+    return hadamard(x, ctx.consts["hadamard"]) if "hadamard" in ctx.consts else x
 
 
 class QuaRotKernels:
@@ -25,13 +24,11 @@ class QuaRotKernels:
 
     def _encode_rotated(self, y: np.ndarray) -> dict[str, np.ndarray]:
         d = self.spec.head_dim
-        codes, scale, offset = intquant.quantize(y, self.spec.bits, d, CHANNEL_AXIS, clip_ratio=self.spec.clip_ratio)
-        return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "offset": offset}
+        return intquant.encode_fields(y, self.spec.bits, d, CHANNEL_AXIS, clip_ratio=self.spec.clip_ratio)
 
     def _decode_rotated(self, fields: dict[str, np.ndarray]) -> np.ndarray:
         d = self.spec.head_dim
-        codes = unpack_codes(fields["codes"], self.spec.bits, d)
-        return intquant.dequantize(codes, fields["scale"], fields["offset"], d, CHANNEL_AXIS)
+        return intquant.decode_fields(fields, self.spec.bits, d, d, CHANNEL_AXIS)
 
     def encode_keys(self, k: np.ndarray, ctx: KernelContext) -> dict[str, np.ndarray]:
         return self._encode_rotated(_rotate(k, ctx))

@@ -10,34 +10,13 @@ import numpy as np
 
 from kvq_core.kernels import KernelContext
 from kvq_core.layout import pack_codes, unpack_codes
-from kvq_core.math.hadamard import fwht
 from kvq_core.methods.turboquant import TurboQuantProdSpec, TurboQuantSpec, codebook_key, thresholds_key
-from kvq_numpy.attention import softmax_attend
-from kvq_numpy.qjl import attend_logits, encode_signs, group_by_kv_head, qjl_reconstruct, qjl_scores, sketch
+from kvq_numpy.attention import by_kv_head, from_kv_head, softmax_attend, softmax_over_logits
+from kvq_numpy.qjl import encode_signs, qjl_reconstruct, qjl_scores, sketch
+from kvq_numpy.rotation import normalize_rotate, rotate, rotate_queries, unrotate, unrotate_output
 
 Consts = dict[str, np.ndarray]
 Fields = dict[str, np.ndarray]
-
-
-def rotate(x: np.ndarray, consts: Consts) -> np.ndarray:
-    """R x on the last axis of [b, kv_heads, n, d]: H diag(s) x, or the head's Haar matrix times x."""
-    if "rotation" in consts:
-        return x @ np.swapaxes(consts["rotation"], -1, -2)
-    return fwht(consts["signs"][:, None, :] * x)
-
-
-def unrotate(y: np.ndarray, consts: Consts) -> np.ndarray:
-    """R^T y, the inverse of :func:`rotate`."""
-    if "rotation" in consts:
-        return y @ consts["rotation"]
-    return consts["signs"][:, None, :] * fwht(y)
-
-
-def normalize_rotate(x: np.ndarray, consts: Consts) -> tuple[np.ndarray, np.ndarray]:
-    """(n, v): the float32 norms ||x|| and the rotated unit vectors R x / n (zero for a zero x)."""
-    x = np.asarray(x, dtype=np.float32)
-    n = np.linalg.norm(x, axis=-1)
-    return n, rotate(x / np.where(n > 0, n, 1)[..., None], consts)
 
 
 def quantize_coords(v: np.ndarray, spec: TurboQuantSpec, consts: Consts) -> tuple[Fields, np.ndarray]:
@@ -98,16 +77,6 @@ def prod_scores(q_rot: np.ndarray, fields: Fields, spec: TurboQuantProdSpec, con
     return (mse + residual) * fields["norm"].astype(np.float64)[:, :, None, :]
 
 
-def rotate_queries(q: np.ndarray, consts: Consts, kv_heads: int) -> np.ndarray:
-    """R q in float64, grouped [b, kv_heads, g * q_len, d] so each query meets its kv head's rotation."""
-    return rotate(group_by_kv_head(np.asarray(q, np.float64), kv_heads), consts)
-
-
-def unrotate_output(out: np.ndarray, consts: Consts, kv_heads: int) -> np.ndarray:
-    """R^T out for an attention output [b, q_heads, q_len, d] in the rotated domain (float32)."""
-    return unrotate(group_by_kv_head(out, kv_heads), consts).reshape(out.shape).astype(np.float32)
-
-
 class TurboQuantKernels:
     """TurboQuant_mse for keys and values; attend scores n <R q, c[idx]> from the codes."""
 
@@ -126,8 +95,9 @@ class TurboQuantKernels:
     def attend(
         self, q: np.ndarray, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float
     ) -> tuple[np.ndarray, np.ndarray]:
+        """Score n_t <R q, c[idx]_t> from the codes; un-rotate the output once."""
         consts, kv_heads = ctx.consts, ctx.shape[1]
-        q_rot = rotate_queries(q, consts, kv_heads).reshape(q.shape)
+        q_rot = rotate_queries(np.asarray(q, np.float64), consts, kv_heads)
         k_unit = dequantize_coords(kfields, self.spec, consts)
         v_rot = decode_mse_rotated(vfields, self.spec, consts)
         out, lse = softmax_attend(q_rot, k_unit, v_rot, scale, token_scale=kfields["norm"])
@@ -163,7 +133,9 @@ class TurboQuantProdKernels:
     def attend(
         self, q: np.ndarray, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float
     ) -> tuple[np.ndarray, np.ndarray]:
-        consts, kv_heads = ctx.consts, ctx.shape[1]
-        logits = prod_scores(rotate_queries(q, consts, kv_heads), kfields, self.spec, consts)
-        out, lse = attend_logits(logits, self._decode_values_rotated(vfields, consts), scale, q.shape)
-        return unrotate_output(out, consts, kv_heads), lse
+        """Score the rotated queries by :func:`prod_scores`; un-rotate the output once."""
+        consts = ctx.consts
+        q_rot = rotate(by_kv_head(np.asarray(q, np.float64), ctx.shape[1]), consts)
+        logits = prod_scores(q_rot, kfields, self.spec, consts)
+        out, lse = softmax_over_logits(logits, self._decode_values_rotated(vfields, consts), scale)
+        return from_kv_head(unrotate(out, consts), q.shape), from_kv_head(lse, q.shape)
