@@ -21,12 +21,11 @@ Contents:
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,8 +38,7 @@ Consts = Mapping[str, torch.Tensor]
 # --------------------------------------------------------------------------------------------
 # contexts, method base class, constants
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class TorchContext:
+class TorchContext(NamedTuple):
     """The torch twin of :class:`kvq_core.kernels.KernelContext`: the spec, the layer, the K/V
     block shape ``(batch, kv_heads, tokens, head_dim)`` (ints or SymInts) and the spec's
     constants as tensors on the data's device (float32 where the core gives float32)."""
@@ -268,28 +266,46 @@ def group_channels(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
 
 
-def asym_quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization, one (scale, offset) per slice along ``dim`` (groups).
+def asym_quantize(
+    x: torch.Tensor, bits: int, dim: int, zero_point: str = "integer", clip_ratio: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization, one (scale, offset) per slice along ``dim`` (a group).
 
-    The float32 arithmetic of ``kvq_numpy.intquant.quantize`` / ``kvq_numpy.oscar.quantize``:
-    ``s = (mx - mn) / L``, ``zq = rint(-mn / s)``, ``q = clip(rint(x / s + zq), 0, L)``; an
-    all-zero group uses [-1, 1]; any other constant group stores ``s = 0, q = 0, offset = mn``.
-    Returns codes (uint8, shaped like ``x``) and float16 ``scale``/``offset`` with ``dim`` removed.
+    The float32 arithmetic of ``kvq_numpy.intquant.quantize``, step for step. With
+    ``L = 2**bits - 1`` and ``mn, mx`` the group's min and max (``clip_ratio`` < 1: ``rho *
+    min(mn, 0)``, ``rho * max(mx, 0)``), ``s = (mx - mn) / L``;
+
+    - ``zero_point="integer"`` (OScaR, QuaRot): an all-zero group uses [-1, 1];
+      ``zq = rint(-mn / s)``, ``q = clip(rint(x / s + zq), 0, L)``, ``offset = -zq * s``;
+    - ``zero_point="min"`` (KIVI): ``q = clip(rint((x - mn) / s), 0, L)``, ``offset = mn``.
+
+    A constant group stores ``s = 0, q = 0, offset = mn``. Returns codes (uint8, shaped like
+    ``x``) and float16 ``scale``/``offset`` with ``dim`` removed.
     """
     x = x.to(torch.float32)
     levels = float(2**bits - 1)
     mn = x.amin(dim=dim, keepdim=True)
     mx = x.amax(dim=dim, keepdim=True)
-    all_zero = (mn == 0) & (mx == 0)
-    mn = torch.where(all_zero, -1.0, mn)
-    mx = torch.where(all_zero, 1.0, mx)
-    spread = mx > mn
-    step = torch.where(spread, (mx - mn) / levels, 1.0)
-    zq = torch.round(-mn / step)
-    codes = torch.where(spread, torch.clamp(torch.round(x / step + zq), 0.0, levels), 0.0)
-    scale = torch.where(spread, step, 0.0).squeeze(dim).to(torch.float16)
-    offset = torch.where(spread, -zq * step, mn).squeeze(dim).to(torch.float16)
-    return codes.to(torch.uint8), scale, offset
+    if clip_ratio != 1.0:
+        ratio = float(torch.tensor(clip_ratio, dtype=torch.float32))
+        mn = ratio * torch.clamp(mn, max=0.0)
+        mx = ratio * torch.clamp(mx, min=0.0)
+    if zero_point == "integer":
+        all_zero = (mn == 0) & (mx == 0)
+        mn = torch.where(all_zero, -1.0, mn)
+        mx = torch.where(all_zero, 1.0, mx)
+    varying = mx > mn
+    s = torch.where(varying, (mx - mn) / levels, 0.0)
+    safe_s = torch.where(varying, s, 1.0)
+    if zero_point == "integer":
+        zq = torch.where(varying, torch.round(-mn / safe_s), 0.0)
+        q = torch.round(x / safe_s + zq)
+        offset = torch.where(varying, -zq * s, mn)
+    else:
+        q = torch.round((x - mn) / safe_s)
+        offset = mn
+    codes = torch.where(varying, torch.clamp(q, 0.0, levels), 0.0)
+    return codes.to(torch.uint8), s.squeeze(dim).to(torch.float16), offset.squeeze(dim).to(torch.float16)
 
 
 def asym_dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dim: int) -> torch.Tensor:
