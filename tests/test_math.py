@@ -312,3 +312,18 @@ def test_density_bad_args(call, param: str) -> None:
     with pytest.raises(SpecError) as exc:
         call()
     assert exc.value.param == param
+
+
+@settings(max_examples=30, deadline=None)
+@given(k=st.integers(4, 9), seed=st.integers(0, 2**31))
+def test_scores_invariant_under_rotation(k: int, seed: int) -> None:
+    """(Rq)·(Rk) = q·k for the plain and the random-sign Hadamard (specs/oscar.md 6.2)."""
+    from kvq_core.math.signs import random_signs
+
+    d = 2**k
+    rng = np.random.default_rng(seed)
+    q, keys = rng.standard_normal(d), rng.standard_normal((5, d))
+    exact = keys @ q
+    np.testing.assert_allclose(fwht(keys) @ fwht(q), exact, atol=1e-12 * d)
+    s = random_signs(seed, 3, 1, d)[0].astype(np.float64)
+    np.testing.assert_allclose(fwht(keys * s) @ fwht(q * s), exact, atol=1e-12 * d)
