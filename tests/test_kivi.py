@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 
 import kvq_core
-from kvq_core.layout import PackedKV
 from kvq_core.methods.kivi import KiviSpec
-from kvq_core.synthetic import make_kv, make_queries
-from kvq_numpy.attention import softmax_attend
+from kvq_core.synthetic import make_kv
 
 D, G = 128, 32
 
@@ -107,24 +105,3 @@ def test_per_channel_keys_beat_per_token_on_outlier_channels(bits: int) -> None:
     kivi_err = np.mean((kivi.decode_keys(kivi.encode_keys(k)) - k) ** 2)
     token_err = np.mean((per_token.decode_keys(per_token.encode_keys(k)) - k) ** 2)
     assert kivi_err < 0.5 * token_err
-
-
-# -- attention and packed round trip -----------------------------------------------------------
-@pytest.mark.parametrize("tokens, q_heads, q_len", [(37, 4, 3), (1, 2, 1), (96, 6, 1)])
-def test_attend_matches_softmax_over_decoded(tokens: int, q_heads: int, q_len: int) -> None:
-    k, v = make_kv("llm", batch=2, kv_heads=2, tokens=tokens, seed=tokens)
-    q = make_queries(batch=2, q_heads=q_heads, q_len=q_len)
-    qz = quantizer(bits=4)
-    pk, pv = qz.encode_keys(k), qz.encode_values(v)
-    out, lse = qz.attend(q, pk, pv, return_lse=True)
-    ref_out, ref_lse = softmax_attend(q, qz.decode_keys(pk), qz.decode_values(pv), 1 / np.sqrt(D))
-    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5 * np.abs(ref_out).max())
-    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
-
-
-def test_packed_dict_round_trip() -> None:
-    qz = quantizer(bits=2, group=16)
-    packed = qz.encode_keys(make_kv(kv_heads=2, tokens=21)[0])
-    back = PackedKV.from_dict(packed.to_dict())
-    assert back.spec == packed.spec and back.kind == "keys"
-    np.testing.assert_array_equal(qz.decode_keys(back), qz.decode_keys(packed))

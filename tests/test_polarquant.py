@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 import kvq_core
-from kvq_core.layout import PackedKV, unpack_codes
+from kvq_core.layout import unpack_codes
 from kvq_core.math.codebooks import polar_angle_codebook
 from kvq_core.math.hadamard import sylvester_hadamard
 from kvq_core.math.signs import random_signs
 from kvq_core.methods.polarquant import PolarQuantSpec
-from kvq_core.synthetic import make_kv, make_queries
-from kvq_numpy.attention import softmax_attend
+from kvq_core.synthetic import make_kv
 
 D = 128
 
@@ -136,24 +135,3 @@ def test_rotation_spreads_outlier_channels() -> None:
     """The preconditioner is what makes the fixed angle codebooks fit: without it, outlier keys suffer."""
     k, _ = make_kv("outliers", kv_heads=2, tokens=256)
     assert mse(quantizer(), k) < 0.5 * mse(quantizer(rotation="none"), k)
-
-
-# -- attention and packed round trip -----------------------------------------------------------
-@pytest.mark.parametrize("tokens, q_heads, q_len", [(37, 4, 3), (1, 2, 1), (64, 6, 1)])
-def test_attend_matches_softmax_over_decoded(tokens: int, q_heads: int, q_len: int) -> None:
-    k, v = make_kv("llm", batch=2, kv_heads=2, tokens=tokens, seed=tokens)
-    q = make_queries(batch=2, q_heads=q_heads, q_len=q_len)
-    qz = quantizer(layer=2)
-    pk, pv = qz.encode_keys(k), qz.encode_values(v)
-    out, lse = qz.attend(q, pk, pv, return_lse=True)
-    ref_out, ref_lse = softmax_attend(q, qz.decode_keys(pk), qz.decode_values(pv), 1 / np.sqrt(D))
-    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5 * np.abs(ref_out).max())
-    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
-
-
-def test_packed_dict_round_trip() -> None:
-    qz = quantizer(level_bits=(3, 2, 2), seed=5)
-    packed = qz.encode_values(make_kv("gaussian", kv_heads=2, tokens=10)[1])
-    back = PackedKV.from_dict(packed.to_dict())
-    assert back.spec == packed.spec and back.kind == "values"
-    np.testing.assert_array_equal(qz.decode_values(back), qz.decode_values(packed))
