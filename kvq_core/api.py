@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from kvq_core import registry
@@ -20,6 +20,38 @@ def _constants(spec: MethodSpec, kv_heads: int, layer: int) -> dict[str, Any]:
     for arr in consts.values():
         arr.flags.writeable = False
     return consts
+
+
+class _LazyConsts(Mapping):
+    """``spec.constants(kv_heads, layer)`` (cached), computed on first access.
+
+    Kernels that take their constants elsewhere (the torch ops fetch them per device) never
+    trigger the NumPy computation, so ``torch.compile`` can trace a Quantizer call without
+    tracing into NumPy code.
+    """
+
+    __slots__ = ("_key", "_data")
+
+    def __init__(self, spec: MethodSpec, kv_heads: int, layer: int) -> None:
+        self._key = (spec, kv_heads, layer)
+        self._data: dict[str, Any] | None = None
+
+    def _get(self) -> dict[str, Any]:
+        if self._data is None:
+            self._data = _constants(*self._key)
+        return self._data
+
+    def __getitem__(self, name: str) -> Any:
+        return self._get()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get())
 
 
 class Quantizer:
@@ -50,7 +82,7 @@ class Quantizer:
         return f"Quantizer({self.spec.describe()}, backend={self.backend!r}, layer={self.layer})"
 
     def _ctx(self, shape: tuple[int, int, int, int]) -> KernelContext:
-        return KernelContext(self.spec, self.layer, shape, _constants(self.spec, shape[1], self.layer))
+        return KernelContext(self.spec, self.layer, shape, _LazyConsts(self.spec, shape[1], self.layer))  # type: ignore[arg-type]
 
     def _pack(self, kind: str, x: Any, encode: Any) -> PackedKV:
         shape = check_kv(x, self.spec, self.arrays, kind)

@@ -11,6 +11,12 @@ from kvq_core.spec import MethodSpec
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
+def _dims(shape: Any) -> tuple[Any, ...]:
+    """Shape entries as ints; symbolic sizes (torch SymInts under torch.compile / torch.export)
+    are kept as they are, since ``int()`` would specialise a dynamic dimension to a constant."""
+    return tuple(s if isinstance(s, int) or type(s).__name__ == "SymInt" else int(s) for s in shape)
+
+
 def dtype_name(x: Any) -> str:
     return str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
 
@@ -20,7 +26,7 @@ def check_kv(x: Any, spec: MethodSpec, arrays: ArrayAdapter, what: str = "keys")
     shape = getattr(x, "shape", None)
     if shape is None:
         raise InputError(f"{what}: got {type(x).__name__}; expected an array [batch, kv_heads, tokens, head_dim]")
-    shape = tuple(int(s) for s in shape)
+    shape = _dims(shape)
     if len(shape) != 4:
         raise InputError(f"{what}: got rank {len(shape)} shape {list(shape)}; expected rank 4 [batch, kv_heads, tokens, head_dim]")
     if min(shape) < 1:
@@ -45,7 +51,7 @@ def check_packed(p: Any, spec: MethodSpec, kind: str) -> PackedKV:
         raise InputError(f"expected a PackedKV of {kind}; got {type(p).__name__}")
     if p.kind != kind:
         raise InputError(f"expected packed {kind}; got packed {p.kind}")
-    if p.spec != spec:
+    if p.spec is not spec and p.spec != spec:  # identity first: traceable by torch.compile
         raise LayoutError(f"packed block was made with {p.spec.describe()}; this quantizer has {spec.describe()}")
     p.validate()
     return p
@@ -56,7 +62,7 @@ def check_query(q: Any, pk: PackedKV, pv: PackedKV, arrays: ArrayAdapter) -> tup
     shape = getattr(q, "shape", None)
     if shape is None or len(shape) != 4:
         raise InputError(f"query: got shape {None if shape is None else list(shape)}; expected rank 4 [batch, q_heads, q_len, head_dim]")
-    shape = tuple(int(s) for s in shape)
+    shape = _dims(shape)
     if min(shape) < 1:
         raise InputError(f"query: got empty shape {list(shape)}; every dimension must be >= 1")
     b, hk, t, d = pk.shape

@@ -27,7 +27,8 @@ def polar_encode(y: np.ndarray, spec: PolarQuantSpec, ctx: KernelContext) -> dic
     radius = y
     for level, bits in enumerate(spec.level_bits, start=1):
         even, odd = _pairs(radius)
-        angle = np.arctan2(odd, even)
+        # float64 then one rounding: float32 arctan2 is not correctly rounded (platform-dependent)
+        angle = np.arctan2(odd.astype(np.float64), even.astype(np.float64)).astype(np.float32)
         if level == 1:
             angle = np.mod(angle, TWO_PI)  # [0, 2 pi); level >= 2 pairs radii, so it is in [0, pi/2]
         codes = np.searchsorted(ctx.consts[f"level{level}_thresholds"], angle, side="right")

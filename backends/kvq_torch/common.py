@@ -12,7 +12,9 @@ Contents:
 - :func:`consts_for`: the core's constants as tensors on a device, cached;
 - :func:`pack_codes` / :func:`unpack_codes`: the bit rule of :mod:`kvq_core.layout`;
 - :func:`fwht`: the butterfly of :func:`kvq_core.math.hadamard.fwht`, stage for stage;
+- :func:`hadamard_rotate`: the same rotation as one matmul (compile-friendly);
 - :func:`tree_sum`: an order-fixed float32 sum (eager and inductor add in the same order);
+- :func:`sqrt32`: a correctly rounded float32 square root (eager ``torch.sqrt`` is not);
 - :func:`asym_quantize` / :func:`asym_dequantize`: the asymmetric min/max group quantizer of
   ``kvq_numpy/intquant.py`` and ``kvq_numpy/oscar.py``;
 - :func:`group_tokens` / :func:`ungroup_tokens` / :func:`group_channels`;
@@ -221,9 +223,27 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, d) * _inv_sqrt(d)
 
 
+#: float32(1 / sqrt(d)) as Python floats for d = 2**0 .. 2**16 (the reference multiplies by this
+#: float32 scalar); a table lookup is traceable by torch.compile where a tensor round-trip is not.
+_INV_SQRT = {1 << i: float(torch.tensor(1.0 / math.sqrt(1 << i), dtype=torch.float32)) for i in range(17)}
+
+
 def _inv_sqrt(d: int) -> float:
-    """float32(1 / sqrt(d)) as a Python float (the reference multiplies by this float32 scalar)."""
-    return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))
+    return _INV_SQRT[d]
+
+
+def hadamard_rotate(x: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` for the core's orthonormal Sylvester matrix ``H`` (float32), as one matmul.
+
+    Computed as ``(x @ sign(H)) * float32(1/sqrt(d))``: the +-1 products are exact, so wherever
+    the partial sums are exactly representable (constant, integer or zero inputs) the result is
+    bit-identical to the reference butterfly (:func:`fwht`), which also scales last; otherwise it
+    differs by float32 rounding only. Unlike the butterfly it stays one BLAS call under
+    torch.compile (inductor would inline the butterfly's stages into every consumer) and gives
+    the same bits eager and compiled.
+    """
+    x = x.to(torch.float32)
+    return (x @ torch.sign(hadamard)) * _inv_sqrt(x.shape[-1])
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -246,13 +266,19 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def group_tokens(x: torch.Tensor, group: int) -> torch.Tensor:
     """``[b, h, t, d]`` -> ``[b, h, ceil(t/group), group, d]``, padding by repeating the last token.
 
-    Repeating a real token leaves a partial group's min and max those of its real tokens.
+    Repeating a real token leaves a partial group's min and max those of its real tokens. Under
+    torch.compile the padding is a gather with clamped indices (no branch on ``t % group``, which
+    would specialise the graph on the remainder).
     """
     b, h, t, d = x.shape
-    pad = -t % group
-    if pad:
-        x = torch.cat([x, x[:, :, -1:, :].expand(b, h, pad, d)], dim=2)
-    return x.reshape(b, h, -1, group, d)
+    if not torch.compiler.is_compiling():
+        pad = -t % group
+        if pad:
+            x = torch.cat([x, x[:, :, -1:, :].expand(b, h, pad, d)], dim=2)
+        return x.reshape(b, h, -1, group, d)
+    n = (t + group - 1) // group
+    idx = torch.clamp(torch.arange(n * group, device=x.device), max=t - 1)
+    return x.index_select(2, idx).reshape(b, h, n, group, d)
 
 
 def ungroup_tokens(x: torch.Tensor, tokens: Any) -> torch.Tensor:
@@ -320,10 +346,20 @@ def codebook_quantize(x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor
     return torch.bucketize(x.contiguous(), thresholds, right=True)
 
 
+def sqrt32(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square root (as NumPy and inductor compute it).
+
+    Eager ``torch.sqrt`` on CPU float32 uses a vectorised approximation that is off by one ulp
+    for ~0.6% of inputs; through float64 the result rounds to the exact float32 square root, so
+    eager, inductor and the reference agree bit for bit.
+    """
+    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+
+
 def l2_norm(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """float32 Euclidean norm over ``dim`` with :func:`tree_sum` (order-fixed)."""
+    """float32 Euclidean norm over ``dim``: :func:`tree_sum` (order-fixed) and :func:`sqrt32`."""
     x = x.to(torch.float32)
-    return torch.sqrt(tree_sum(x * x, dim))
+    return sqrt32(tree_sum(x * x, dim))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,173 @@
+"""Torch kernels of OCTOPUS (mirrors ``kvq_numpy/octopus.py``; the codec is described in
+:mod:`kvq_core.methods.octopus`).
+
+Vectorised over [batch, kv_heads, tokens, triplets] in float32 with the reference's arithmetic
+order (norms through :func:`kvq_torch.rotation.norm`, three-term sums left to right), so the
+codes match the NumPy backend bit for bit. Joint rounding scores the 3x3 index neighbourhood
+as 9 candidates stacked on a new axis; ``argmax`` keeps the first maximum and the centre comes
+first, the reference's tie rule. Keys stay in the rotated domain inside :meth:`OctopusTorch.attend`.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvq_core.methods.octopus import OctopusSpec
+from kvq_torch.common import (
+    Consts,
+    Fields,
+    TorchContext,
+    TorchMethod,
+    codebook_quantize,
+    pack_codes,
+    softmax_attend,
+    unpack_codes,
+)
+from kvq_torch.rotation import normalize_rotate, rotate_queries, sqrt_rn, unrotate, unrotate_output
+
+#: (xi, eta) index offsets joint rounding tries, centre first (the reference's order and tie rule).
+NEIGHBOURS = [(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)]
+
+
+# --------------------------------------------------------------------------------------------
+# octahedral map (kvq_core.math.octahedral in float32)
+# --------------------------------------------------------------------------------------------
+def _sgn(x: torch.Tensor) -> torch.Tensor:
+    """Sign-not-zero: +1 where x >= 0 (including -0.0), else -1."""
+    return torch.where(x >= 0, 1.0, -1.0)
+
+
+def sum3(x: torch.Tensor) -> torch.Tensor:
+    """``(x0 + x1) + x2`` over a last axis of 3: NumPy's order for a 3-term sum."""
+    return (x[..., 0] + x[..., 1]) + x[..., 2]
+
+
+def oct_encode(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xi, eta) of triplets ``[..., 3]``; the zero vector is treated as (0, 0, 1) and maps to (0, 0)."""
+    l1 = sum3(t.abs()).unsqueeze(-1)
+    zero = l1 == 0
+    up = torch.tensor([0.0, 0.0, 1.0], dtype=t.dtype, device=t.device)
+    p = torch.where(zero, up, t) / torch.where(zero, 1.0, l1)
+    px, py, pz = p[..., 0], p[..., 1], p[..., 2]
+    lower = pz < 0
+    xi = torch.where(lower, _sgn(px) * (1 - py.abs()), px)
+    eta = torch.where(lower, _sgn(py) * (1 - px.abs()), py)
+    return xi, eta
+
+
+def oct_decode(xi: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+    """Unit vectors ``[..., 3]`` of octahedral points (xi, eta), normalised as ``np.linalg.norm`` does."""
+    z = (1 - xi.abs()) - eta.abs()
+    lower = z < 0
+    x = torch.where(lower, _sgn(xi) * (1 - eta.abs()), xi)
+    y = torch.where(lower, _sgn(eta) * (1 - xi.abs()), eta)
+    p = torch.stack((x, y, z), dim=-1)
+    return p / sqrt_rn(sum3(p * p)).unsqueeze(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# the codec
+# --------------------------------------------------------------------------------------------
+def triplets(v: torch.Tensor, n_triplets: int) -> torch.Tensor:
+    """``[..., d]`` -> ``[..., n_triplets, 3]``, zero-padding the tail (spec 1.3)."""
+    pad = 3 * n_triplets - v.shape[-1]
+    if pad:
+        v = torch.nn.functional.pad(v, (0, pad))
+    return v.reshape(*v.shape[:-1], n_triplets, 3)
+
+
+def directions(i_xi: torch.Tensor, i_eta: torch.Tensor, consts: Consts) -> torch.Tensor:
+    """Unit directions ``[..., 3]`` decoded from xi/eta codebook indices."""
+    return oct_decode(consts["xi_codebook"][i_xi], consts["eta_codebook"][i_eta])
+
+
+def direction_indices(t: torch.Tensor, consts: Consts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest-centroid xi/eta indices of each triplet's octahedral point (scale-invariant in t)."""
+    xi, eta = oct_encode(t)
+    return codebook_quantize(xi, consts["xi_thresholds"]), codebook_quantize(eta, consts["eta_thresholds"])
+
+
+def round_plain(t: torch.Tensor, consts: Consts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Independent nearest-centroid rounding of xi, eta and rho = ||t||."""
+    i_xi, i_eta = direction_indices(t, consts)
+    rho = sqrt_rn(sum3(t * t))
+    return i_xi, i_eta, codebook_quantize(rho, consts["rho_thresholds"])
+
+
+def round_joint(t: torch.Tensor, consts: Consts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Spec 1.8: the 3x3 index neighbour maximising s = <t, n_hat> (first maximum), then Q_rho(s)."""
+    i_xi, i_eta = direction_indices(t, consts)
+    offsets = torch.tensor(NEIGHBOURS, dtype=i_xi.dtype, device=t.device)
+    c_xi = torch.clamp(i_xi.unsqueeze(-1) + offsets[:, 0], 0, consts["xi_codebook"].shape[0] - 1)
+    c_eta = torch.clamp(i_eta.unsqueeze(-1) + offsets[:, 1], 0, consts["eta_codebook"].shape[0] - 1)
+    s = sum3(t.unsqueeze(-2) * directions(c_xi, c_eta, consts))  # [..., 9]
+    best = torch.argmax(s, dim=-1, keepdim=True)
+    i_xi, i_eta, s = (a.gather(-1, best).squeeze(-1) for a in (c_xi, c_eta, s))
+    return i_xi, i_eta, codebook_quantize(torch.clamp(s, min=0.0), consts["rho_thresholds"])
+
+
+def join(spec: OctopusSpec, i_xi: torch.Tensor, i_eta: torch.Tensor, i_rho: torch.Tensor) -> torch.Tensor:
+    """One code per triplet: xi in the high bits, then eta, then rho."""
+    return (i_xi << (spec.eta_bits + spec.rho_bits)) | (i_eta << spec.rho_bits) | i_rho
+
+
+def split(spec: OctopusSpec, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`join`."""
+    eta_mask, rho_mask = (1 << spec.eta_bits) - 1, (1 << spec.rho_bits) - 1
+    return code >> (spec.eta_bits + spec.rho_bits), (code >> spec.rho_bits) & eta_mask, code & rho_mask
+
+
+def encode(x: torch.Tensor, spec: OctopusSpec, consts: Consts) -> Fields:
+    """Fields ``codes`` and ``norm`` of a block [b, h, t, d]; a zero vector gets gamma 0."""
+    gamma, v = normalize_rotate(x, consts)
+    t = triplets(v, spec.n_triplets)
+    rounding = round_joint if spec.rounding == "joint" else round_plain
+    codes = join(spec, *rounding(t, consts))
+    return {"codes": pack_codes(codes, spec.triplet_bits), "norm": gamma}
+
+
+def decode_rotated(fields: Fields, spec: OctopusSpec, consts: Consts) -> torch.Tensor:
+    """The decoded unit vectors in the rotated domain, R u_hat, [b, h, t, d] (gamma not applied)."""
+    codes = unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets)
+    i_xi, i_eta, i_rho = split(spec, codes)
+    t_hat = consts["rho_codebook"][i_rho].unsqueeze(-1) * directions(i_xi, i_eta, consts)
+    return t_hat.reshape(*t_hat.shape[:-2], -1)[..., : spec.head_dim]
+
+
+def decode(fields: Fields, spec: OctopusSpec, consts: Consts) -> torch.Tensor:
+    """gamma * R^T v_hat in the original domain, float32 [b, h, t, d]."""
+    return fields["norm"].unsqueeze(-1) * unrotate(decode_rotated(fields, spec, consts), consts)
+
+
+class OctopusTorch(TorchMethod):
+    """Encode/decode with :func:`encode`/:func:`decode`; attend scores from the rotated codes."""
+
+    spec: OctopusSpec
+
+    def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
+        return encode(k, self.spec, ctx.consts)
+
+    def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
+        return decode(fields, self.spec, ctx.consts)
+
+    def encode_values(self, v: torch.Tensor, ctx: TorchContext) -> Fields:
+        if self.spec.values == "fp16":
+            return {"data": v.to(torch.float32).to(torch.float16)}
+        return encode(v, self.spec, ctx.consts)
+
+    def decode_values(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
+        if self.spec.values == "fp16":
+            return fields["data"].to(torch.float32)
+        return decode(fields, self.spec, ctx.consts)
+
+    def attend(
+        self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score gamma_j <R q, v_hat_j> without un-rotating keys; un-rotate the output once."""
+        kv_heads = kfields["norm"].shape[1]
+        q_rot = rotate_queries(q, ctx.consts, kv_heads)
+        k_rot = decode_rotated(kfields, self.spec, ctx.consts)
+        if self.spec.values == "fp16":
+            return softmax_attend(q_rot, k_rot, vfields["data"], scale, token_scale=kfields["norm"])
+        v_rot = vfields["norm"].unsqueeze(-1) * decode_rotated(vfields, self.spec, ctx.consts)
+        out_rot, lse = softmax_attend(q_rot, k_rot, v_rot, scale, token_scale=kfields["norm"])
+        return unrotate_output(out_rot, ctx.consts, kv_heads), lse

@@ -1,0 +1,280 @@
+"""``kvq bench speed``: encode / decode / attend throughput per method and backend, beside SDPA.
+
+For contexts of 4k..64k tokens (``--quick``: 4k and 32k, fewer methods), head_dim 64 and 128,
+8 KV heads, batch 1 and one query token per query head with GQA 4 (32 query heads), it times
+``encode`` (keys + values), ``decode`` (keys + values) and ``attend`` for the NumPy reference,
+torch eager (``kvq::`` ops) and torch compiled (inductor), and in the same run:
+
+- torch SDPA (``torch.nn.functional.scaled_dot_product_attention``) over float32 and bfloat16
+  K/V of the same context, both as the usual GQA call (``enable_gqa=True``, 32 query heads) and
+  folded (the 4 query heads of a KV head as 4 query rows, no K/V expansion; the faster form);
+- memcpy bandwidth (a torch ``clone`` of a 256 MiB buffer, read + write bytes per second).
+
+Throughput is tokens/s and GB/s of the fp16-equivalent K/V (2 bytes per element of K and V).
+Ratios are the result, not absolute times: the machine may be shared. Results go to
+``speed.md``, ``speed.json`` and ``speed.png`` (attend time vs context) under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+BACKENDS = ("numpy", "torch", "torch-compiled")
+METHODS = {
+    "oscar": {"bits": 2},
+    "kivi": {"bits": 2},
+    "quarot": {"bits": 4},
+    "fp16": {},
+    "turboquant": {"bits": 2},
+    "octopus": {"bits": 2},
+}
+QUICK_METHODS = ("oscar", "kivi")
+CONTEXTS = (4096, 8192, 16384, 32768, 65536)
+QUICK_CONTEXTS = (4096, 32768)
+TARGET = {"method": "oscar", "tokens": 32768, "head_dim": 128, "speedup_vs_sdpa_fp32": 1.5}
+
+
+def _timeit(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median wall time (s) of ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def memcpy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second read + written by ``clone`` of a ``mib`` MiB float32 tensor."""
+    import torch
+
+    x = torch.ones(mib * (1 << 20) // 4)
+    t = _timeit(lambda: x.clone(), repeats, warmup=2)
+    return 2 * x.numel() * 4 / t
+
+
+def sdpa_times(tokens: int, head_dim: int, kv_heads: int, gqa: int, repeats: int, seed: int = 0) -> dict[str, float]:
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        k = torch.randn(1, kv_heads, tokens, head_dim, generator=g).to(dtype)
+        v = torch.randn(1, kv_heads, tokens, head_dim, generator=g).to(dtype)
+        q = torch.randn(1, kv_heads * gqa, 1, head_dim, generator=g).to(dtype)
+        qf = q.view(1, kv_heads, gqa, head_dim)
+        out[f"sdpa_{name}_gqa"] = _timeit(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), repeats)
+        out[f"sdpa_{name}_folded"] = _timeit(lambda: F.scaled_dot_product_attention(qf, k, v), repeats)
+        del k, v
+    return out
+
+
+def bench_one(method: str, params: dict[str, Any], backend: str, tokens: int, head_dim: int, kv_heads: int, gqa: int,
+              repeats: int, seed: int = 0) -> dict[str, Any]:
+    """Times of encode / decode / attend (seconds) and the packed size, for one configuration."""
+    import torch
+
+    import kvq_core
+
+    qz = kvq_core.get_quantizer(method, backend=backend, head_dim=head_dim, **params)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, kv_heads, tokens, head_dim, generator=g)
+    v = torch.randn(1, kv_heads, tokens, head_dim, generator=g)
+    q = torch.randn(1, kv_heads * gqa, 1, head_dim, generator=g)
+    if backend == "numpy":
+        k, v, q = k.numpy(), v.numpy(), q.numpy()
+    reps = 1 if backend == "numpy" else repeats
+    t0 = time.perf_counter()
+    pk, pv = qz.encode_keys(k), qz.encode_values(v)  # first call: includes any compilation
+    qz.decode_keys(pk), qz.decode_values(pv)
+    qz.attend(q, pk, pv)
+    first = time.perf_counter() - t0
+    rec: dict[str, Any] = {
+        "method": method, "params": params, "backend": backend, "tokens": tokens, "head_dim": head_dim,
+        "kv_heads": kv_heads, "q_heads": kv_heads * gqa,
+        "packed_bytes": pk.nbytes() + pv.nbytes(),
+        "bits_per_element": qz.bits_per_element([pk, pv]),
+        "first_call_s": first,
+        "encode_s": _timeit(lambda: (qz.encode_keys(k), qz.encode_values(v)), reps, warmup=0),
+        "decode_s": _timeit(lambda: (qz.decode_keys(pk), qz.decode_values(pv)), reps, warmup=0),
+        "attend_s": _timeit(lambda: qz.attend(q, pk, pv), reps, warmup=0),
+    }
+    fp16_bytes = 2 * 2 * kv_heads * tokens * head_dim
+    for op in ("encode", "decode", "attend"):
+        rec[f"{op}_tokens_per_s"] = tokens / rec[f"{op}_s"]
+        rec[f"{op}_gbps_fp16"] = fp16_bytes / rec[f"{op}_s"] / 1e9
+    return rec
+
+
+def _fmt_ms(s: float | None) -> str:
+    return "-" if s is None else (f"{s * 1e3:.1f}" if s < 10 else f"{s:.1f} s")
+
+
+def render_md(res: dict[str, Any]) -> str:
+    lines = ["# kvq bench speed", ""]
+    m = res["machine"]
+    lines += [f"Machine: {m['cpu']}, {m['threads']} torch threads, torch {m['torch']}, load average at start "
+              f"{m['load_start']}, at end {m['load_end']}. memcpy (clone of 256 MiB): "
+              f"**{res['memcpy_gbps']:.2f} GB/s** read+write. Batch 1, {res['kv_heads']} KV heads, GQA {res['gqa']} "
+              f"({res['kv_heads'] * res['gqa']} query heads), one query token per head. Times are medians; "
+              "ratios matter, not absolute times (shared machine).", ""]
+    t = res.get("target")
+    if t:
+        lines += ["## Target", "",
+                  f"Compiled attend over OScaR INT2 at {t['tokens']} tokens, head_dim {t['head_dim']}: "
+                  f"**{_fmt_ms(t['attend_s'])} ms**; SDPA fp32 GQA call {_fmt_ms(t['sdpa_fp32_gqa'])} ms "
+                  f"(speedup **{t['speedup_vs_sdpa_fp32_gqa']:.2f}x**), SDPA fp32 folded {_fmt_ms(t['sdpa_fp32_folded'])} ms "
+                  f"(speedup **{t['speedup_vs_sdpa_fp32_folded']:.2f}x**); target >= {TARGET['speedup_vs_sdpa_fp32']}x. "
+                  f"It reads {t['packed_mb']:.1f} MB of packed K/V: {t['attend_read_gbps']:.2f} GB/s, "
+                  f"**{100 * t['fraction_of_memcpy']:.1f}%** of the memcpy copy rate (half the read+write figure).", ""]
+    for d in res["head_dims"]:
+        lines += [f"## head_dim {d}", ""]
+        lines += ["| method | backend | tokens | bits/elem | encode ms | decode ms | attend ms | attend tok/s | "
+                  "attend GB/s (fp16-eq) | attend vs SDPA fp32 gqa | vs folded |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in res["rows"]:
+            if r["head_dim"] != d:
+                continue
+            sd = res["sdpa"][f"{d}/{r['tokens']}"]
+            lines.append(
+                f"| {r['method']} | {r['backend']} | {r['tokens']} | {r['bits_per_element']:.3f} | {_fmt_ms(r['encode_s'])} | "
+                f"{_fmt_ms(r['decode_s'])} | {_fmt_ms(r['attend_s'])} | {r['attend_tokens_per_s']:.3g} | "
+                f"{r['attend_gbps_fp16']:.2f} | {sd['sdpa_fp32_gqa'] / r['attend_s']:.2f}x | "
+                f"{sd['sdpa_fp32_folded'] / r['attend_s']:.2f}x |")
+        lines += ["", "| SDPA (same run) | tokens | fp32 gqa ms | fp32 folded ms | bf16 gqa ms | bf16 folded ms |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for key, sd in res["sdpa"].items():
+            dd, tok = key.split("/")
+            if int(dd) == d:
+                lines.append(f"| sdpa | {tok} | {_fmt_ms(sd['sdpa_fp32_gqa'])} | {_fmt_ms(sd['sdpa_fp32_folded'])} | "
+                             f"{_fmt_ms(sd['sdpa_bf16_gqa'])} | {_fmt_ms(sd['sdpa_bf16_folded'])} |")
+        lines.append("")
+    lines += ["First-call times (encode + decode + attend, including torch.compile) are in speed.json.", ""]
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = res["head_dims"]
+    fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims), 4.5), squeeze=False)
+    for ax, d in zip(axes[0], dims):
+        rows = [r for r in res["rows"] if r["head_dim"] == d]
+        for (method, backend) in sorted({(r["method"], r["backend"]) for r in rows}):
+            pts = sorted((r["tokens"], r["attend_s"]) for r in rows if r["method"] == method and r["backend"] == backend)
+            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=f"{method} / {backend}")
+        for key, style in (("sdpa_fp32_gqa", "k--"), ("sdpa_fp32_folded", "k-"), ("sdpa_bf16_folded", "k:")):
+            pts = sorted((int(k.split("/")[1]), v[key]) for k, v in res["sdpa"].items() if int(k.split("/")[0]) == d)
+            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], style, label=key.replace("_", " "))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("attend time (ms)")
+        ax.set_title(f"attend, head_dim {d}, {res['kv_heads']} KV heads, GQA {res['gqa']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvq bench speed", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="contexts 4k and 32k, methods oscar and kivi")
+    p.add_argument("--contexts", type=int, nargs="+", default=None)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--methods", nargs="+", default=None, help=f"default: {', '.join(METHODS)}")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--gqa", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); 1 gives steadier ratios on a shared machine")
+    p.add_argument("--numpy-max-tokens", type=int, default=32768, help="skip the NumPy reference above this context")
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for speed.{md,json,png}")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvq-inductor"))
+    import torch
+
+    import kvq_core
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS)
+    methods = args.methods or (QUICK_METHODS if args.quick else tuple(METHODS))
+    known = {m.name for m in kvq_core.list_methods()}
+    backends = [b for b in args.backends if any(r.name == b and r.available for r in kvq_core.list_backends())]
+    res: dict[str, Any] = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "load_start": round(os.getloadavg()[0], 2)},
+        "kv_heads": args.kv_heads, "gqa": args.gqa, "head_dims": list(args.head_dims), "contexts": list(contexts),
+        "memcpy_gbps": memcpy_bandwidth() / 1e9, "rows": [], "sdpa": {},
+    }
+    print(f"memcpy {res['memcpy_gbps']:.2f} GB/s (read+write)", flush=True)
+    for d in args.head_dims:
+        for tokens in contexts:
+            res["sdpa"][f"{d}/{tokens}"] = sdpa_times(tokens, d, args.kv_heads, args.gqa, args.repeats)
+            print(f"d={d} T={tokens} sdpa " + " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in res["sdpa"][f"{d}/{tokens}"].items()),
+                  flush=True)
+            for method in methods:
+                if method not in known:
+                    continue
+                for backend in backends:
+                    if backend == "numpy" and tokens > args.numpy_max_tokens:
+                        continue
+                    try:
+                        rec = bench_one(method, METHODS.get(method, {}), backend, tokens, d, args.kv_heads, args.gqa,
+                                        args.repeats)
+                    except kvq_core.KVQError as exc:
+                        print(f"skip {method}/{backend}: {exc}")
+                        continue
+                    res["rows"].append(rec)
+                    print(f"d={d} T={tokens} {method:8} {backend:15} encode {rec['encode_s'] * 1e3:9.1f} ms  decode "
+                          f"{rec['decode_s'] * 1e3:9.1f} ms  attend {rec['attend_s'] * 1e3:9.1f} ms  "
+                          f"(first call {rec['first_call_s']:.1f} s)", flush=True)
+    res["machine"]["load_end"] = round(os.getloadavg()[0], 2)
+    hit = [r for r in res["rows"] if r["method"] == TARGET["method"] and r["backend"] == "torch-compiled"
+           and r["tokens"] == TARGET["tokens"] and r["head_dim"] == TARGET["head_dim"]]
+    if hit:
+        r = hit[0]
+        sd = res["sdpa"][f"{r['head_dim']}/{r['tokens']}"]
+        read_gbps = r["packed_bytes"] / r["attend_s"] / 1e9
+        res["target"] = {
+            "tokens": r["tokens"], "head_dim": r["head_dim"], "attend_s": r["attend_s"],
+            "sdpa_fp32_gqa": sd["sdpa_fp32_gqa"], "sdpa_fp32_folded": sd["sdpa_fp32_folded"],
+            "speedup_vs_sdpa_fp32_gqa": sd["sdpa_fp32_gqa"] / r["attend_s"],
+            "speedup_vs_sdpa_fp32_folded": sd["sdpa_fp32_folded"] / r["attend_s"],
+            "packed_mb": r["packed_bytes"] / 1e6, "attend_read_gbps": read_gbps,
+            "fraction_of_memcpy": read_gbps / (res["memcpy_gbps"] / 2),
+        }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speed.json").write_text(json.dumps(res, indent=1))
+    (args.out / "speed.md").write_text(render_md(res))
+    if not args.no_plot:
+        try:
+            plot(res, args.out / "speed.png")
+        except ImportError as exc:  # matplotlib is the bench extra
+            print(f"no plot: {exc}")
+    print(render_md(res))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The public conformance suite (kvq_core.testing) run against every built-in backend.
+
+numpy checks the suite against itself (and the typed errors); torch (eager kvq:: ops) draws
+the full strategy; torch-compiled (inductor) uses a few fixed-shape cases per method so the
+number of compiled graphs stays bounded (5 per method). Backends whose package is missing are
+skipped with the reason; a backend that imports but fails is a failure.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from kvq_core import registry, testing
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+BACKENDS = ["numpy", "torch", "torch-compiled"]
+#: methods whose torch kernels mirror the reference's float32 arithmetic op for op (no float
+#: reductions in a different order), so their codes must match with no tie excuse at all.
+EXACT_ON_TORCH = {"fp16", "kivi"}
+
+SETTINGS = {
+    "numpy": dict(max_examples=6),
+    "torch": dict(max_examples=20),
+    # one graph per kernel: fixed batch/heads/head_dim/GQA/q_len, default spec, token counts
+    # that are neither multiples of any group size nor below one (no size-1 specialisation)
+    "torch-compiled": dict(max_examples=2, head_dims=(64,), batches=(1,), kv_heads=(2,), gqa=(2,), q_lens=(1,),
+                           tokens=(45, 70, 100), spec_params={}, errors=False),
+}
+
+
+def _methods(backend: str) -> list[str]:
+    if backend != "numpy" and not HAS_TORCH:
+        return []
+    try:
+        return testing.methods_for(backend)
+    except Exception:  # reported by the test below
+        return []
+
+
+def _params():
+    for backend in BACKENDS:
+        marks = [pytest.mark.compile] if backend == "torch-compiled" else []
+        if backend != "numpy" and not HAS_TORCH:
+            yield pytest.param(backend, None, marks=pytest.mark.skip(reason="torch is not installed"), id=f"{backend}")
+            continue
+        for method in _methods(backend):
+            yield pytest.param(backend, method, marks=marks, id=f"{backend}-{method}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_registered(backend: str) -> None:
+    if backend != "numpy" and not HAS_TORCH:
+        pytest.skip("torch is not installed")
+    ok, reason = registry.backend_status(backend)
+    assert ok, f"{backend} unavailable: {reason}"
+    assert testing.methods_for(backend), f"{backend} implements no method of the reference"
+
+
+@pytest.mark.parametrize(("backend", "method"), list(_params()))
+def test_conformance(backend: str, method: str) -> None:
+    kwargs = dict(SETTINGS[backend])
+    if backend.startswith("torch") and method in EXACT_ON_TORCH:
+        kwargs["exact_codes"] = True
+    report = testing.check_method(backend, method, **kwargs)
+    assert report.examples > 0
+
+
+def test_suite_catches_a_wrong_rounding_mode(monkeypatch) -> None:
+    """The suite is not vacuous: a backend rounding half away from zero fails on exact ties."""
+    pytest.importorskip("torch")
+    import torch
+
+    import kvq_torch.common as common
+
+    def round_half_away(x, *a, **k):
+        return torch.sign(x) * torch.floor(torch.abs(x) + 0.5)
+
+    monkeypatch.setattr(common.torch, "round", round_half_away)
+    try:
+        with pytest.raises(testing.ConformanceError, match="codes"):
+            testing.check_method("torch", "kivi", max_examples=0, exact_codes=True, errors=False,
+                                 regimes=("integers",), dtypes=("float32",))
+    finally:
+        monkeypatch.undo()
+
+
+def test_suite_catches_an_off_by_one_code(monkeypatch) -> None:
+    """A code off by one step (not a tie) fails even with the tie rule on."""
+    pytest.importorskip("torch")
+    import kvq_torch.common as common
+
+    orig = common.pack_codes
+
+    def bad_pack(codes, bits):
+        codes = codes.clone()
+        flat = codes.reshape(-1)
+        flat[0] = (flat[0] + 1) % (1 << bits)
+        return orig(codes, bits)
+
+    monkeypatch.setattr("kvq_torch.oscar.pack_codes", bad_pack)
+    with pytest.raises(testing.ConformanceError, match="not ties"):
+        testing.check_method("torch", "oscar", max_examples=0, errors=False)
