@@ -1,0 +1,262 @@
+"""``kvq eval ppl``: perplexity through the real cache, every configuration side by side.
+
+Protocol (per window of ``prefix + score + 1`` tokens of the text):
+
+1. the prefix is prefilled through the cache (prefill attention is full precision, as every
+   method's reference does; the K/V it writes are then quantized by the cache);
+2. the continuation is fed in teacher-forced chunks that attend to the cache, and token t+1 is
+   scored from the logits at t, so all ``score`` predictions come from attention over the
+   quantized cache plus the exact window.
+
+Chunks default to each cache's flush block (``residual`` for kvq, ``residual_length`` for
+transformers' QuantizedCache), aligned to block boundaries: a query then sees exactly what it
+would see decoding token by token (the tokens since the last flush exact, all else packed).
+
+The prefix forward is shared: it is run once per window with a ``DynamicCache`` and its K/V are
+written into each configuration's cache with one ``update`` per layer, which is what a prefill
+forward does (``--no-shared-prefill`` runs the prefill per configuration instead).
+
+Windows: the text is cut into consecutive windows; windows below ``--first-window`` are left
+for tuning, and ``--windows`` report windows are spread evenly over the rest of the file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from kvq_core.eval.caches import CacheConfig, build_cache, parse_config, populate, steady_bits, stored
+
+# the best configuration found at <= 3.2 true bits per element (tuned on windows 0-2, see docs/eval.md):
+# TurboQuant keys at 3 bits and values at 2 bits, both norm-corrected, 28 exact tokens
+BEST = ("turboquant:bits=3,norm_correction=true,v.bits=2,v.norm_correction=true,residual=28,"
+        "label=kvq-best[TQ K3/V2 nc W28]")
+DEFAULT_METHODS = (
+    "fp",
+    "quanto:nbits=4",
+    "quanto:nbits=2",
+    "oscar:bits=4",
+    "oscar:bits=3",
+    "oscar:bits=2",
+    "oscar:bits=2,token_scaling=false",
+    "kivi:bits=2",
+    "octopus:bits=4",
+    "octopus:bits=3",
+    "octopus:bits=2",
+    "octopus:bits=3,fp_key_layers=0;-1,label=octopus-3[K exact in first+last layer]",
+    "turboquant:bits=4,residual=32",
+    "turboquant:bits=3,residual=32",
+    "turboquant:bits=2,residual=32",
+    "turboquant:bits=3,high_bits_coords=32,residual=32,label=turboquant-3.5[rate of octopus-3]",
+    "turboquant:bits=2,high_bits_coords=32,residual=32,label=turboquant-2.5[rate of octopus-2]",
+    BEST,
+)
+DEFAULT_OUT = "bench/results/eval_ppl.json"
+
+
+def chunk_plan(cfg: CacheConfig, cache: Any, prefix: int, score: int, chunk: int | None) -> list[int]:
+    """Chunk sizes covering ``score`` tokens: fixed ``chunk``, or the cache's flush block, aligned."""
+    if chunk is None:
+        block = 128
+        if cfg.kind == "kvq":
+            rs = [layer.residual for layer in getattr(cache, "kvq_layers", [])]
+            block = min(rs) if rs and min(rs) > 0 else 32
+        elif cfg.kind in ("quanto", "hqq"):
+            block = int(cfg.params.get("residual_length", 128))
+        first = block - prefix % block
+    else:
+        block = first = chunk
+    sizes, done = [], 0
+    step = first
+    while done < score:
+        sizes.append(min(step, score - done))
+        done += sizes[-1]
+        step = block
+    return sizes
+
+
+def token_elements(model_config: Any) -> int:
+    cfg = model_config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_key_value_heads * head_dim
+
+
+def score_window(model: Any, ids: Any, cfg: CacheConfig, prefix: int, score: int, *, backend: str,
+                 shared: Any | None, chunk: int | None) -> dict[str, Any]:
+    """NLL of ``score`` tokens after ``prefix`` for one configuration; ``ids`` is ``[1, prefix+score+1]``."""
+    import torch
+    import torch.nn.functional as F
+
+    cache = build_cache(cfg, model.config, backend)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if shared is not None:
+            populate(cache, shared)
+        else:
+            model(ids[:, :prefix], cache=cache, use_cache=True)
+        prefill_s = time.perf_counter() - t0
+        nll, pos = 0.0, prefix
+        t1 = time.perf_counter()
+        for size in chunk_plan(cfg, cache, prefix, score, chunk):
+            logits = model(ids[:, pos:pos + size], cache=cache, use_cache=True).logits
+            target = ids[0, pos + 1:pos + size + 1]
+            nll += F.cross_entropy(logits[0].float(), target, reduction="sum").item()
+            pos += size
+        score_s = time.perf_counter() - t1
+    after = stored(cache, token_elements(model.config))
+    bpe = steady_bits(cache, cfg, prefix + score, token_elements(model.config))
+    dyn = int(after["elements"] * model.dtype.itemsize)
+    out = {
+        "label": cfg.label, "nll": nll, "tokens": score, "ppl": math.exp(nll / score),
+        "prefill_s": round(prefill_s, 3), "score_s": round(score_s, 3), "tok_s": score / score_s if score_s else math.nan,
+        "bits_per_element": bpe, "cache_bytes": int(after["bytes"]), "dynamic_bytes": int(dyn),
+        "decoded_bytes": int(cache.memory_report()["decoded_bytes"]) if hasattr(cache, "memory_report") else 0,
+    }
+    return out
+
+
+def window_starts(n_tokens: int, length: int, first: int, count: int, tuning: bool) -> list[int]:
+    """Window indices: the first ``count`` when tuning, else ``count`` spread over [first, N)."""
+    total = n_tokens // length
+    if tuning:
+        return list(range(min(count, first, total)))
+    if first >= total:
+        raise ValueError(f"the text has {total} windows of {length} tokens; --first-window {first} leaves none")
+    avail = total - first
+    count = min(count, avail)
+    return sorted({first + (i * avail) // count for i in range(count)})
+
+
+def summarize(runs: list[dict[str, Any]], configs: list[CacheConfig], fp_label: str | None) -> list[dict[str, Any]]:
+    """Per configuration: PPL over all its windows (token-weighted), delta vs fp on the same windows."""
+    by = {c.label: [r for r in runs if r["label"] == c.label] for c in configs}
+    fp_runs = {r["window"]: r for r in by.get(fp_label, [])} if fp_label else {}
+    rows = []
+    for c in configs:
+        rs = by[c.label]
+        if not rs:
+            continue
+        nll, tok = sum(r["nll"] for r in rs), sum(r["tokens"] for r in rs)
+        row = {
+            "label": c.label, "bits": c.nominal_bits, "windows": len(rs), "ppl": math.exp(nll / tok),
+            "bits_per_element": sum(r["bits_per_element"] for r in rs) / len(rs),
+            "tok_s": sum(r["tokens"] for r in rs) / sum(r["score_s"] for r in rs),
+            "cache_bytes": max(r["cache_bytes"] for r in rs), "dynamic_bytes": max(r["dynamic_bytes"] for r in rs),
+        }
+        common = [r for r in rs if r["window"] in fp_runs]
+        if common:
+            fp_nll = sum(fp_runs[r["window"]]["nll"] for r in common)
+            fp_tok = sum(fp_runs[r["window"]]["tokens"] for r in common)
+            fp_ppl = math.exp(fp_nll / fp_tok)
+            row["fp_ppl"] = fp_ppl
+            row["delta_pct"] = 100.0 * (math.exp(sum(r["nll"] for r in common) / sum(r["tokens"] for r in common)) / fp_ppl - 1)
+        rows.append(row)
+    return rows
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvq eval ppl", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
+    p.add_argument("--model", help="a .gguf file, a checkpoint directory or a hub name (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--text-file", help="text to score (default: shared/data/wikitext2-test.txt)")
+    p.add_argument("--dataset", help="a datasets name[:config[:split]] instead of a file (needs a network)")
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="CFG",
+                   help="cache configurations METHOD[:k=v,...] (see kvq_core.eval.caches); 'fp' is DynamicCache")
+    p.add_argument("--backend", default="auto", help="kvq backend for kvq methods (default auto)")
+    p.add_argument("--prefix", type=int, default=1536, help="tokens prefilled through the cache (default 1536)")
+    p.add_argument("--score", type=int, default=512, help="tokens scored after the prefix (default 512)")
+    p.add_argument("--chunk", type=int, default=None, help="teacher-forced chunk size (default: each cache's flush block)")
+    p.add_argument("--windows", type=int, default=4, help="number of windows (default 4)")
+    p.add_argument("--first-window", type=int, default=8, help="windows before this index are kept for tuning (default 8)")
+    p.add_argument("--tuning", action="store_true", help="run on the tuning windows (the first --windows) instead")
+    p.add_argument("--no-shared-prefill", action="store_true", help="run the prefix forward once per configuration")
+    p.add_argument("--attn", default=None, help="attention implementation, e.g. 'kvq' to attend from codes")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT}); .md/.png written beside it")
+    p.add_argument("--resume", action="store_true", help="keep runs already in --out and skip them")
+    p.add_argument("--no-report", action="store_true", help="skip the Markdown/PNG report")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    from tqdm.auto import tqdm
+
+    from kvq_core.eval.model import load_model
+    from kvq_core.eval.text import load_text
+
+    configs = [parse_config(m) for m in args.methods]
+    labels = [c.label for c in configs]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"duplicate configuration labels: {labels}")
+    fp_label = next((c.label for c in configs if c.kind == "fp"), None)
+    model, tok, info = load_model(args.model, attn_implementation=args.attn, threads=args.threads)
+    text, source = load_text(args.text_file, args.dataset)
+    ids_all = tok(text, return_tensors="pt").input_ids
+    length = args.prefix + args.score + 1
+    windows = window_starts(ids_all.shape[1], length, args.first_window, args.windows, args.tuning)
+    out = Path(args.out)
+    data: dict[str, Any] = {
+        "kind": "ppl", "model": info, "text": source, "text_tokens": int(ids_all.shape[1]),
+        "protocol": {"prefix": args.prefix, "score": args.score, "chunk": args.chunk or "flush block",
+                     "shared_prefill": not args.no_shared_prefill, "attn": args.attn or model.config._attn_implementation,
+                     "window_tokens": length, "windows": windows, "tuning": args.tuning, "backend": args.backend},
+        "configs": [c.describe() for c in configs], "fp_label": fp_label, "runs": [],
+    }
+    if args.resume and out.exists():
+        old = json.loads(out.read_text())
+        data["runs"] = [r for r in old.get("runs", []) if r["label"] in labels and r["window"] in windows]
+    done = {(r["label"], r["window"]) for r in data["runs"]}
+    bar = tqdm(total=len(windows) * len(configs), desc="ppl", disable=args.quiet, initial=len(done))
+    for w in windows:
+        ids = ids_all[:, w * length:(w + 1) * length]
+        todo = [c for c in configs if (c.label, w) not in done]
+        if not todo:
+            continue
+        shared = None
+        if not args.no_shared_prefill:
+            from transformers import DynamicCache
+
+            bar.set_postfix_str(f"window {w}: prefill")
+            t0 = time.perf_counter()
+            shared = DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(ids[:, :args.prefix], cache=shared, use_cache=True)
+            data.setdefault("prefill_seconds", {})[str(w)] = round(time.perf_counter() - t0, 2)
+        for c in todo:
+            bar.set_postfix_str(f"window {w}: {c.label}")
+            run = score_window(model, ids, c, args.prefix, args.score, backend=args.backend, shared=shared, chunk=args.chunk)
+            run["window"] = w
+            data["runs"].append(run)
+            data["summary"] = summarize(data["runs"], configs, fp_label)
+            _write_json(out, data)
+            bar.update(1)
+            tqdm.write(f"window {w} {c.label:32s} ppl {run['ppl']:.3f}  bits/elt {run['bits_per_element']:.2f}  "
+                       f"{run['tok_s']:.1f} tok/s") if not args.quiet else None
+    bar.close()
+    data["summary"] = summarize(data["runs"], configs, fp_label)
+    _write_json(out, data)
+    if not args.no_report:
+        from kvq_core.eval.report import write_ppl_report
+
+        write_ppl_report(data, out)
+    from kvq_core.eval.report import format_ppl_table
+
+    print(format_ppl_table(data["summary"]))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,222 @@
+"""Tables (Markdown) and plots (PNG) for the evaluation results, and the combined summary.
+
+``write_ppl_report`` / ``write_niah_report`` write ``<out>.md`` and ``<out>.png`` beside the
+JSON; both then refresh ``eval_summary.md`` in the same folder, which joins the PPL and NIAH
+results of each configuration into one table (the file the README links).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SUMMARY_MD = "eval_summary.md"
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+
+
+def _mib(n: Any) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def format_ppl_table(rows: list[dict[str, Any]]) -> str:
+    head = "| method | bits | bits/elt (incl. window) | PPL | Δ vs fp | tokens/s | cache MiB | DynamicCache MiB |\n"
+    head += "|---|---|---|---|---|---|---|---|\n"
+    lines = []
+    for r in rows:
+        delta = r.get("delta_pct")
+        lines.append(
+            f"| {r['label']} | {r['bits']} | {_fmt(r['bits_per_element'])} | {_fmt(r['ppl'], '.3f')} | "
+            f"{'-' if delta is None else f'{delta:+.1f}%'} | {_fmt(r['tok_s'], '.1f')} | {_mib(r['cache_bytes'])} | "
+            f"{_mib(r['dynamic_bytes'])} |"
+        )
+    return head + "\n".join(lines)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _family(label: str) -> str:
+    return label.split("[")[0].rsplit("-", 1)[0] if "[" not in label.split("-")[0] else label.split("[")[0]
+
+
+def plot_ppl(rows: list[dict[str, Any]], png: Path, title: str) -> None:
+    """ΔPPL (%) against true bits per element, one point per configuration."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    families = sorted({_family(r["label"]) for r in rows})
+    colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(families)}
+    seen = set()
+    for r in rows:
+        if r.get("delta_pct") is None or r["label"] == "fp":
+            continue
+        x, y, fam = r["bits_per_element"], max(r["delta_pct"], 0.05), _family(r["label"])
+        ax.scatter([x], [y], s=30, color=colors[fam], label=None if fam in seen else fam)
+        seen.add(fam)
+        ax.annotate(r["label"], (x, y), fontsize=6.5, xytext=(3, 3), textcoords="offset points")
+    ax.axvline(3.2, color="grey", linestyle="--", linewidth=0.8)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_yscale("log")
+    ax.set_xlabel("true bits per element (codes + metadata + exact window at 16 bits)")
+    ax.set_ylabel("PPL increase vs fp (%) [log]")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def write_ppl_report(data: dict[str, Any], out_json: Path) -> None:
+    out_json = Path(out_json)
+    rows = data.get("summary", [])
+    proto = data["protocol"]
+    title = (f"{data['model']['name']}: PPL, {len(proto['windows'])} windows x ({proto['prefix']} prefix "
+             f"+ {proto['score']} scored)")
+    md = [f"# Perplexity: {data['model']['name']}", "",
+          f"Text: `{Path(data['text']).name}` ({data['text_tokens']} tokens); windows {proto['windows']} "
+          f"({'tuning' if proto.get('tuning') else 'report'}); prefix {proto['prefix']} tokens through the cache, "
+          f"{proto['score']} tokens scored in teacher-forced chunks ({proto['chunk']}); attention `{proto['attn']}`; "
+          f"kvq backend `{proto['backend']}`.", "", format_ppl_table(rows), "",
+          f"bits/elt: stored bits per K/V element at {proto['prefix'] + proto['score']} tokens with the exact window "
+          "full: the packed rate measured from the blocks the cache holds (codes, scales, zero-points, norms, "
+          "padding) plus the window (and any full-precision layer) at 16 bits. cache MiB: bytes held after the last "
+          "chunk (packed blocks + exact window in the model dtype), not counting kvq's decoded-history copy used by "
+          "dequant-mode attention. tokens/s: scored tokens over scoring time on a shared 2-core CPU (indicative).",
+          "", f"![ppl]({out_json.with_suffix('.png').name})", ""]
+    out_json.with_suffix(".md").write_text("\n".join(md))
+    if rows:
+        plot_ppl(rows, out_json.with_suffix(".png"), title)
+    write_summary(out_json.parent)
+
+
+# -- NIAH -----------------------------------------------------------------------------------
+def niah_cells(data: dict[str, Any], label: str, task: str) -> dict[tuple[int, float], list[bool]]:
+    cells: dict[tuple[int, float], list[bool]] = {}
+    for r in data["runs"]:
+        if r["label"] == label and r["task"] == task:
+            cells.setdefault((r["context"], r["depth"]), []).append(bool(r["correct"]))
+    return cells
+
+
+def recall(data: dict[str, Any], label: str, task: str | None = None, context: int | None = None) -> float | None:
+    hits = [bool(r["correct"]) for r in data["runs"] if r["label"] == label
+            and (task is None or r["task"] == task) and (context is None or r["context"] == context)]
+    return sum(hits) / len(hits) if hits else None
+
+
+def format_niah_table(data: dict[str, Any]) -> str:
+    tasks, contexts = data["protocol"]["tasks"], data["protocol"]["contexts"]
+    cols = [f"{t} {c // 1024}k" if c % 1024 == 0 else f"{t} {c}" for t in tasks for c in contexts]
+    head = "| method | bits | " + " | ".join(cols) + " | all |\n|---|---|" + "---|" * (len(cols) + 1) + "\n"
+    lines = []
+    for cfg in data["configs"]:
+        vals = [recall(data, cfg["label"], t, c) for t in tasks for c in contexts]
+        lines.append(f"| {cfg['label']} | {cfg['bits']} | " + " | ".join(_fmt(v) for v in vals)
+                     + f" | {_fmt(recall(data, cfg['label']))} |")
+    return head + "\n".join(lines)
+
+
+def plot_niah(data: dict[str, Any], png: Path) -> None:
+    """A recall heatmap (depth x context) per configuration and task."""
+    import numpy as np
+
+    plt = _plt()
+    tasks, contexts, depths = data["protocol"]["tasks"], data["protocol"]["contexts"], data["protocol"]["depths"]
+    labels = [c["label"] for c in data["configs"] if any(r["label"] == c["label"] for r in data["runs"])]
+    if not labels:
+        return
+    fig, axes = plt.subplots(len(tasks), len(labels), figsize=(1.6 * len(labels) + 1, 2.2 * len(tasks) + 0.6),
+                             squeeze=False)
+    for ti, task in enumerate(tasks):
+        for li, label in enumerate(labels):
+            ax = axes[ti][li]
+            cells = niah_cells(data, label, task)
+            grid = np.full((len(depths), len(contexts)), np.nan)
+            for (c, d), hits in cells.items():
+                if c in contexts and d in depths:
+                    grid[depths.index(d), contexts.index(c)] = sum(hits) / len(hits)
+            ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for i in range(len(depths)):
+                for j in range(len(contexts)):
+                    if not np.isnan(grid[i, j]):
+                        ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize=6)
+            ax.set_xticks(range(len(contexts)), [f"{c // 1024}k" for c in contexts], fontsize=6)
+            ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=6)
+            if ti == 0:
+                ax.set_title(label, fontsize=6)
+            if li == 0:
+                ax.set_ylabel(f"{task}\ndepth", fontsize=7)
+    fig.suptitle(f"{data['model']['name']}: needle recall (depth x context)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def write_niah_report(data: dict[str, Any], out_json: Path) -> None:
+    out_json = Path(out_json)
+    proto = data["protocol"]
+    md = [f"# Needle in a haystack: {data['model']['name']}", "",
+          f"Tasks {proto['tasks']}, contexts {proto['contexts']} tokens, needle depths {proto['depths']}, "
+          f"{proto['trials']} trial(s) per cell, haystack `{proto['haystack']}`. The context (instructions + haystack "
+          "with needles) is prefilled through the cache; the question is then fed as a chunk attending to the cache "
+          f"and the answer decoded greedily ({proto['answer_tokens']} tokens). A cell is correct when the first "
+          "number in the answer is the needle's.", "", format_niah_table(data), "",
+          f"![niah]({out_json.with_suffix('.png').name})", ""]
+    out_json.with_suffix(".md").write_text("\n".join(md))
+    plot_niah(data, out_json.with_suffix(".png"))
+    write_summary(out_json.parent)
+
+
+# -- combined summary -------------------------------------------------------------------------
+def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str = "eval_niah.json") -> Path:
+    """Join PPL and NIAH results per configuration label into ``eval_summary.md``."""
+    folder = Path(folder)
+    ppl = json.loads((folder / ppl_name).read_text()) if (folder / ppl_name).exists() else None
+    niah = json.loads((folder / niah_name).read_text()) if (folder / niah_name).exists() else None
+    rows: dict[str, dict[str, Any]] = {}
+    for r in (ppl or {}).get("summary", []):
+        rows[r["label"]] = dict(r)
+    ctx2k = None
+    if niah:
+        contexts = niah["protocol"]["contexts"]
+        ctx2k = 2048 if 2048 in contexts else contexts[len(contexts) // 2]
+        for cfg in niah["configs"]:
+            row = rows.setdefault(cfg["label"], {"label": cfg["label"], "bits": cfg["bits"]})
+            row["recall_all"] = recall(niah, cfg["label"])
+            for t in niah["protocol"]["tasks"]:
+                row[f"recall_{t}"] = recall(niah, cfg["label"], t, ctx2k)
+    tasks = niah["protocol"]["tasks"] if niah else []
+    head = ["method", "bits", "true bits/elt", "PPL", "Δ vs fp"] + [f"{t} @{ctx2k}" for t in tasks] + \
+        (["recall (all)"] if niah else []) + ["tokens/s", "cache MiB", "DynamicCache MiB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows.values():
+        delta = r.get("delta_pct")
+        cells = [r["label"], str(r.get("bits", "-")), _fmt(r.get("bits_per_element")), _fmt(r.get("ppl"), ".3f"),
+                 "-" if delta is None else f"{delta:+.1f}%"]
+        cells += [_fmt(r.get(f"recall_{t}")) for t in tasks] + ([_fmt(r.get("recall_all"))] if niah else [])
+        cells += [_fmt(r.get("tok_s"), ".1f"), _mib(r.get("cache_bytes")), _mib(r.get("dynamic_bytes"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    md = ["# kvq evaluation summary", ""]
+    if ppl:
+        p = ppl["protocol"]
+        md.append(f"Model {ppl['model']['name']}; PPL on `{Path(ppl['text']).name}`, {len(p['windows'])} windows of "
+                  f"{p['prefix']} prefix tokens through the cache + {p['score']} scored tokens.")
+    if niah:
+        md.append(f"NIAH: {niah['protocol']['tasks']} at contexts {niah['protocol']['contexts']}, depths "
+                  f"{niah['protocol']['depths']}; the recall columns are at {ctx2k} tokens.")
+    md += ["", *lines, "", "Details: [perplexity](eval_ppl.md), [needle in a haystack](eval_niah.md); protocol and "
+           "findings in [docs/eval.md](../../docs/eval.md).", ""]
+    path = folder / SUMMARY_MD
+    path.write_text("\n".join(md))
+    return path

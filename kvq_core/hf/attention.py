@@ -1,0 +1,133 @@
+"""The ``"kvq"`` attention function: attend over packed blocks from their codes, plus the window.
+
+Registered with ``transformers.AttentionInterface.register("kvq", kvq_attention)`` (and the
+sdpa mask builder under the same name) by :func:`register`; a model loaded with
+``attn_implementation="kvq"`` then routes every attention call here.
+
+- Called with K/V that a :class:`~kvq_core.hf.cache.KVQLayer` returned in codes mode (the
+  key tensor carries a ``_kvq_context``): the packed blocks are scored with
+  ``Quantizer.attend(q, pk, pv, scale, return_lse=True)`` block by block, the full-precision
+  window with plain softmax attention under the model's mask, and the parts are merged exactly
+  with their log-sum-exps. No decoded copy of the history is made.
+- Called with ordinary K/V (no cache, ``DynamicCache``, full-precision layers): plain sdpa.
+
+Coverage: decoder models whose attention module passes ``cache.update(...)``'s K/V unchanged
+to ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with softmax attention (Llama,
+Mistral, Qwen2/Qwen3, SmolLM and other llama-style models; tested on Llama). Not covered:
+logit soft-capping, attention sinks, dropout in training, and masks that hide any packed token
+(e.g. left padding inside the packed region): those fall back to decoding the blocks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvq_core.errors import KVQError
+from kvq_core.hf.cache import CodesContext, to_torch
+
+NAME = "kvq"
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean 'may attend' mask from a bool or additive float mask."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+def _softmax_parts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA softmax attention in float32: ``out [b, hq, lq, d]`` and ``lse [b, hq, lq]``."""
+    b, hq, lq, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    qg = q.float().reshape(b, hk, g * lq, d)
+    logits = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [b, hk, g*lq, t]
+    logits = logits.reshape(b, hk, g, lq, -1)
+    if visible is not None:
+        vis = visible[:, :, None] if visible.shape[1] == 1 else visible.reshape(visible.shape[0], hk, g, lq, -1)
+        logits = logits.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
+    out = torch.matmul(p.reshape(b, hk, g * lq, -1), v.float()).reshape(b, hq, lq, d)
+    return out, lse.reshape(b, hq, lq)
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exact softmax over the union of disjoint token sets from per-set (out, lse)."""
+    lses = torch.stack([p[1] for p in parts])  # [n, b, hq, lq]
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total).nan_to_num(0.0)
+    return sum(w[..., None] * p[0] for w, p in zip(weights, parts))  # type: ignore[return-value]
+
+
+def _causal_visible(lq: int, w: int, device: torch.device) -> torch.Tensor:
+    """Queries are the last ``lq`` of the ``w`` window tokens (bottom-right aligned causal mask)."""
+    qpos = torch.arange(lq, device=device)[:, None] + (w - lq)
+    return (torch.arange(w, device=device)[None, :] <= qpos)[None, None]
+
+
+def attend_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: CodesContext,
+                 attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention of ``query`` over ``ctx``'s packed blocks and the window (key, value)."""
+    layer = ctx.layer
+    b, hq, lq, d = query.shape
+    w = key.shape[-2]
+    n_packed = ctx.packed_length
+    vis_w = vis_p = None
+    if attention_mask is not None:
+        vis = _visible(attention_mask)
+        if vis.shape[-1] != n_packed + w:
+            raise KVQError(f"kvq attention: mask covers {vis.shape[-1]} keys; the cache holds {n_packed} packed + {w} exact")
+        vis = vis[..., -lq:, :] if vis.shape[-2] != lq else vis
+        vis_w, vis_p = vis[..., n_packed:], vis[..., :n_packed]
+    elif lq > 1:
+        vis_w = _causal_visible(lq, w, query.device)
+    parts = [_softmax_parts(query, key, value, vis_w, scale)]
+    if ctx.blocks:
+        if vis_p is not None and not bool(vis_p.all()) or not layer.same_spec:
+            # a mask hides packed tokens, or K and V use different codecs: decode and attend
+            dec = [layer.decode_pair(pk, pv) for pk, pv in ctx.blocks]
+            hk, hv = torch.cat([x[0] for x in dec], dim=-2), torch.cat([x[1] for x in dec], dim=-2)
+            parts.append(_softmax_parts(query, hk, hv, vis_p, scale))
+        else:
+            for pk, pv in ctx.blocks:
+                out, lse = layer.kq.attend(query, pk, pv, scale=scale, return_lse=True)
+                parts.append((to_torch(out, query.device, torch.float32), to_torch(lse, query.device, torch.float32)))
+    return merge_attention(parts).to(query.dtype)
+
+
+def kvq_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function; returns ``(out [b, q_len, q_heads, d], None)``."""
+    ctx = getattr(key, "_kvq_context", None)
+    if ctx is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    ctx.layer._pending_codes = False
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise KVQError("kvq attention from codes supports plain softmax attention only (no softcap, no sinks)")
+    if dropout and module.training:
+        raise KVQError("kvq attention from codes is for inference; got dropout in training mode")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = attend_codes(query, key, value, ctx, attention_mask, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register ``"kvq"`` with transformers' attention and mask interfaces; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, kvq_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    return NAME

@@ -1,0 +1,503 @@
+"""A transformers ``Cache`` that stores K/V as kvq packed blocks: :class:`KVQCache`, :class:`KVQLayer`.
+
+Storage per layer (append-only):
+
+- ``blocks``: a list of (packed keys, packed values), each a :class:`kvq_core.PackedKV` made by
+  the layer's quantizer; never re-quantized;
+- a full-precision *window* (``layer.keys`` / ``layer.values``) of the most recent tokens.
+
+Flush policy ("block", the OScaR reference, specs/oscar.md 1.5): new tokens join the window;
+attention for the step is computed over packed blocks + window (so the newest tokens are
+always seen exactly); *after* that, once the window holds ``residual`` tokens or more, its
+first ``residual * (n // residual)`` tokens are encoded as one new block. So after a prefill of
+L tokens ``L - L % residual`` are packed and ``L % residual`` stay exact, and a decode step
+attends with 1..``residual`` exact tokens. ``residual=0`` packs everything after each step.
+
+Two ways to attend:
+
+- ``attention="dequant"``: ``update`` returns full K/V (decoded blocks + window) to the
+  model's own attention. Decoded history is cached per layer (``cache_decoded=True``) so old
+  blocks are decoded once; decoding is deterministic, so this is exact, but it holds a float
+  copy of the history: :meth:`KVQCache.memory_report` lists those bytes separately.
+- ``attention="codes"``: ``update`` returns only the window, tagged with the packed blocks;
+  the ``"kvq"`` attention function (:mod:`kvq_core.hf.attention`) scores the blocks from their
+  codes with ``Quantizer.attend`` and merges them with the window by log-sum-exp. Nothing is
+  materialised. ``"auto"`` picks codes exactly when the model config's attention
+  implementation is ``"kvq"``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from kvq_core.api import Quantizer, get_quantizer
+from kvq_core.errors import InputError, KVQError
+from kvq_core.layout import PackedKV
+from kvq_core.registry import make_spec
+from kvq_core.spec import MethodSpec
+
+ATTENTION_MODES = ("auto", "dequant", "codes")
+WINDOW_BITS = 16  # exact tokens are counted as a float16/bfloat16 deployment stores them
+
+
+def to_torch(x: Any, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A backend array (NumPy or torch) as a torch tensor on ``device`` in ``dtype``."""
+    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    return t.to(device=device if device is not None else t.device, dtype=dtype if dtype is not None else t.dtype)
+
+
+def _take_batch(x: Any, index: torch.Tensor) -> Any:
+    """Rows ``index`` of the leading (batch) axis of a backend array, in the same array type."""
+    if isinstance(x, torch.Tensor):
+        return x.index_select(0, index.to(x.device))
+    return np.take(np.asarray(x), index.cpu().numpy(), axis=0)
+
+
+def _packed_take_batch(p: PackedKV, index: torch.Tensor) -> PackedKV:
+    """A packed block with its batch rows selected (codes untouched: no re-quantization)."""
+    layout = p.layout
+    for name, field in layout.items():
+        if not field.shape or field.shape[0] != p.shape[0]:
+            raise KVQError(
+                f"{p.spec.method} {p.kind} field {name!r} has shape {list(field.shape)} without a leading batch "
+                f"axis of {p.shape[0]}; batch reordering needs one"
+            )
+    out = p.map_fields(lambda a: _take_batch(a, index))
+    return dataclasses.replace(out, shape=(int(index.numel()), *p.shape[1:]))
+
+
+class KVQLayer(DynamicLayer):
+    """One attention layer: packed blocks (append-only) plus a full-precision window.
+
+    ``keys``/``values`` hold the window ``[batch, kv_heads, w, head_dim]``. ``key_spec`` and
+    ``value_spec`` may differ (e.g. more bits for keys); attention from codes then decodes.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False  # a rollback across a flushed block cannot be undone exactly
+
+    def __init__(
+        self,
+        key_spec: MethodSpec,
+        value_spec: MethodSpec,
+        *,
+        layer_idx: int,
+        backend: str = "auto",
+        residual: int = 128,
+        attention: str = "auto",
+        cache_decoded: bool = True,
+        config: Any = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
+            raise InputError(f"residual={residual!r}; expected an integer >= 0 (tokens kept in full precision)")
+        if attention not in ATTENTION_MODES:
+            raise InputError(f"attention={attention!r}; expected one of {ATTENTION_MODES}")
+        self.key_spec, self.value_spec = key_spec, value_spec
+        self.layer_idx, self.backend, self.residual = layer_idx, backend, residual
+        self.attention, self.cache_decoded, self._config = attention, cache_decoded, config
+        self.kq: Quantizer | None = None
+        self.vq: Quantizer | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self.blocks: list[tuple[PackedKV, PackedKV]] = []
+        self.block_tokens: list[int] = []
+        self.packed_length = 0
+        self.packed_bytes = 0
+        self.cumulative_length = 0
+        self._dec: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dec_blocks = 0
+        self._pending_codes = False
+        self.last_attention_bits = 0.0  # stored bits when the last step attended (window at WINDOW_BITS)
+        self.last_attention_elements = 0
+
+    def __repr__(self) -> str:
+        spec = self.key_spec.describe() if self.key_spec == self.value_spec else f"K={self.key_spec.describe()}, V={self.value_spec.describe()}"
+        return f"KVQLayer({spec}, residual={self.residual}, blocks={len(self.blocks)}, tokens={self.cumulative_length})"
+
+    # -- mode ---------------------------------------------------------------------------------
+    @property
+    def codes_mode(self) -> bool:
+        if self.attention != "auto":
+            return self.attention == "codes"
+        return getattr(self._config, "_attn_implementation", None) == "kvq"
+
+    @property
+    def same_spec(self) -> bool:
+        return self.key_spec == self.value_spec
+
+    # -- transformers layer contract ----------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        d = key_states.shape[-1]
+        if d != self.key_spec.head_dim:
+            raise InputError(f"layer {self.layer_idx}: keys have head_dim {d}; the spec says {self.key_spec.head_dim}")
+        device = str(key_states.device)
+        self.kq = get_quantizer(self.key_spec, self.backend, layer=self.layer_idx, device=device)
+        self.vq = self.kq if self.same_spec else get_quantizer(self.value_spec, self.backend, layer=self.layer_idx, device=device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._pending_codes:
+            raise KVQError(
+                f"layer {self.layer_idx}: the previous step returned only the full-precision window for attention from "
+                "codes, but the 'kvq' attention function never consumed it; load the model with "
+                "attn_implementation='kvq' (kvq_core.hf.register()) or build the cache with attention='dequant'"
+            )
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.cumulative_length += key_states.shape[-2]
+        if self.codes_mode:
+            keys, values = self.keys.view(self.keys.shape), self.values.view(self.values.shape)
+            keys._kvq_context = CodesContext(self, tuple(self.blocks), self.packed_length)  # type: ignore[attr-defined]
+            self._pending_codes = True
+        else:
+            hist = self.decoded_history()
+            keys, values = self.keys, self.values
+            if hist is not None:
+                keys, values = torch.cat([hist[0], keys], dim=-2), torch.cat([hist[1], values], dim=-2)
+        b, h, w, d = self.keys.shape
+        self.last_attention_bits = 8.0 * self.packed_bytes + WINDOW_BITS * 2 * b * h * w * d
+        self.last_attention_elements = 2 * b * h * self.cumulative_length * d
+        self._flush()
+        return keys, values
+
+    def mark_attended(self) -> None:
+        """Declare the last ``update``'s output used without the "kvq" attention function
+        (e.g. K/V written by an external prefill), so codes mode does not report it unconsumed."""
+        self._pending_codes = False
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self._clear()
+
+    # -- storage ------------------------------------------------------------------------------
+    @property
+    def window_length(self) -> int:
+        return 0 if self.keys is None or self.keys.dim() != 4 else self.keys.shape[-2]
+
+    def _flush(self) -> None:
+        """Encode the window's whole multiples of ``residual`` tokens as one new block."""
+        n = self.window_length
+        r = self.residual
+        if n == 0 or n < max(r, 1):
+            return
+        m = n if r == 0 else (n // r) * r
+        k, v = self.keys[:, :, :m].contiguous(), self.values[:, :, :m].contiguous()
+        pk, pv = self.kq.encode_keys(k), self.vq.encode_values(v)  # type: ignore[union-attr]
+        self.blocks.append((pk, pv))
+        self.block_tokens.append(m)
+        self.packed_length += m
+        self.packed_bytes += pk.nbytes() + pv.nbytes()
+        self.keys = self.keys[:, :, m:].clone()
+        self.values = self.values[:, :, m:].clone()
+
+    def decode_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode_pair(*self.blocks[i])
+
+    def decode_pair(self, pk: PackedKV, pv: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed (keys, values) block decoded to torch, in the window's device and dtype."""
+        like = self.keys
+        k = to_torch(self.kq.decode_keys(pk), like.device, like.dtype)  # type: ignore[union-attr]
+        v = to_torch(self.vq.decode_values(pv), like.device, like.dtype)  # type: ignore[union-attr]
+        return k, v
+
+    def decoded_history(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All packed blocks decoded to ``[batch, kv_heads, packed_length, head_dim]`` (None if none)."""
+        if not self.blocks:
+            return None
+        if not self.cache_decoded:
+            parts = [self.decode_block(i) for i in range(len(self.blocks))]
+            return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
+        if self._dec_blocks < len(self.blocks):
+            parts = [self.decode_block(i) for i in range(self._dec_blocks, len(self.blocks))]
+            if self._dec is not None:
+                parts.insert(0, self._dec)
+            self._dec = (torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2))
+            self._dec_blocks = len(self.blocks)
+        return self._dec
+
+    def drop_decoded(self) -> None:
+        """Free the decoded-history copy (it is rebuilt on demand)."""
+        self._dec, self._dec_blocks = None, 0
+
+    def window_bytes(self) -> int:
+        if self.window_length == 0:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def decoded_bytes(self) -> int:
+        if self._dec is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._dec)
+
+    # -- batch and beam operations (codes are moved, never re-quantized) ---------------------
+    def _map_batch(self, index: torch.Tensor) -> None:
+        index = index.to(torch.long)
+        self.blocks = [(_packed_take_batch(pk, index), _packed_take_batch(pv, index)) for pk, pv in self.blocks]
+        if self.window_length or (self.keys is not None and self.keys.dim() == 4):
+            self.keys = self.keys.index_select(0, index.to(self.keys.device))
+            self.values = self.values.index_select(0, index.to(self.values.device))
+        if self._dec is not None:
+            self._dec = tuple(t.index_select(0, index.to(t.device)) for t in self._dec)  # type: ignore[assignment]
+        self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in self.blocks)
+
+    def _batch(self) -> int:
+        if self.blocks:
+            return self.blocks[0][0].shape[0]
+        return self.keys.shape[0] if self.keys is not None and self.keys.dim() == 4 else 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized and self.cumulative_length:
+            self._map_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized and self.cumulative_length:
+            if indices.dtype == torch.bool:
+                indices = indices.nonzero().flatten()
+            self._map_batch(torch.as_tensor(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized and self.cumulative_length:
+            self._map_batch(torch.arange(self._batch()).repeat_interleave(repeats))
+
+    def check_crop(self, tokens_to_remove: int) -> int:
+        """Raise if ``crop(tokens_to_remove)`` is impossible; else return how many blocks it keeps."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicLayer")
+        n = -tokens_to_remove
+        if n > self.cumulative_length:
+            raise ValueError(f"crop: cannot remove {n} tokens from a layer holding {self.cumulative_length}")
+        rest = n - min(n, self.window_length)
+        tokens = list(self.block_tokens)
+        while rest > 0 and tokens and tokens[-1] <= rest:
+            rest -= tokens.pop()
+        if rest:
+            raise KVQError(
+                f"crop: removing {n} tokens cuts inside a packed block of {tokens[-1]} tokens; "
+                f"only the window ({self.window_length} tokens) and whole blocks can be cropped"
+            )
+        return len(tokens)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove ``-tokens_to_remove`` tokens from the end: from the window, then whole blocks.
+
+        A cut that falls inside a packed block raises (the block's codes and statistics cover
+        all its tokens; dropping some would need re-quantization).
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicLayer")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        keep_blocks = self.check_crop(tokens_to_remove)
+        from_window = min(n, self.window_length)
+        blocks, tokens = self.blocks[:keep_blocks], self.block_tokens[:keep_blocks]
+        if from_window:
+            w = self.window_length - from_window
+            self.keys, self.values = self.keys[:, :, :w].clone(), self.values[:, :, :w].clone()
+        if len(blocks) != len(self.blocks):
+            self.blocks, self.block_tokens = blocks, tokens
+            self.packed_length = sum(tokens)
+            self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in blocks)
+            if self._dec is not None:
+                self._dec = tuple(t[:, :, : self.packed_length] for t in self._dec)  # type: ignore[assignment]
+                self._dec_blocks = len(blocks)
+        self.cumulative_length -= n
+
+
+@dataclasses.dataclass(frozen=True)
+class CodesContext:
+    """What the ``"kvq"`` attention function needs besides the window: the packed blocks."""
+
+    layer: KVQLayer
+    blocks: tuple[tuple[PackedKV, PackedKV], ...]
+    packed_length: int
+
+
+def _head_dim(config: Any) -> int:
+    hd = getattr(config, "head_dim", None)
+    return int(hd) if hd else int(config.hidden_size // config.num_attention_heads)
+
+
+def _resolve_layers(spec_layers: Iterable[int] | None, n: int, what: str) -> set[int]:
+    out = set()
+    for i in spec_layers or ():
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -n <= i < n:
+            raise InputError(f"{what}: layer {i!r} is not an index into {n} layers")
+        out.add(int(i) % n)
+    return out
+
+
+class KVQCache(Cache):
+    """A transformers ``Cache`` storing K/V with a kvq method, built from a model config.
+
+    ``KVQCache(config, method="oscar", backend="auto", residual=None, bits=2)``
+
+    Args:
+        config: the model's ``PretrainedConfig`` (its text config is used). Full-attention layers
+            are quantized; sliding-window and other layer types keep their transformers layer.
+        method: a registered kvq method name (``kvq_core.list_methods()``).
+        backend: a kvq backend name, or "auto" (picks torch when available for the device).
+        residual: tokens kept in full precision (block flush, see module doc); default is the
+            method spec's ``default_residual`` (OScaR/KIVI 128, OCTOPUS 32).
+        fp_layers: layers kept entirely in full precision (``DynamicLayer``), e.g. ``(0, -1)``.
+        fp_key_layers: layers whose keys are stored as float16 (method "fp16") and values quantized.
+        value_method, value_params: a different codec for values; by default values use
+            ``method`` and ``method_params`` updated with ``value_params`` (e.g. ``{"bits": 2}``
+            with ``bits=3`` gives 3-bit keys and 2-bit values).
+        layer_params: ``{layer: {param: value}}`` overrides for keys and values of one layer.
+        attention: "auto" (codes when the config's attention implementation is "kvq"),
+            "dequant" or "codes".
+        cache_decoded: keep decoded history per layer in dequant mode (exact, faster, not smaller).
+        **method_params: the method's spec parameters (e.g. ``bits=2``); ``head_dim`` comes from
+            the config.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        method: str = "oscar",
+        backend: str = "auto",
+        *,
+        residual: int | None = None,
+        fp_layers: Iterable[int] = (),
+        fp_key_layers: Iterable[int] = (),
+        value_method: str | None = None,
+        value_params: Mapping[str, Any] | None = None,
+        layer_params: Mapping[int, Mapping[str, Any]] | None = None,
+        attention: str = "auto",
+        cache_decoded: bool = True,
+        **method_params: Any,
+    ) -> None:
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.config = text_config
+        self.method, self.backend = method, backend
+        head_dim = _head_dim(text_config)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        n = len(layer_types)
+        self.fp_layers = _resolve_layers(fp_layers, n, "fp_layers")
+        self.fp_key_layers = _resolve_layers(fp_key_layers, n, "fp_key_layers")
+        layer_params = {int(k) % n: dict(v) for k, v in (layer_params or {}).items()}
+        self.method_params = dict(method_params)
+        layers: list[Any] = []
+        for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind != "full_attention":
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+                continue
+            if i in self.fp_layers:
+                layers.append(DynamicLayer())
+                continue
+            over = layer_params.get(i, {})
+            key_params = {"head_dim": head_dim, **method_params, **over}
+            key_spec = make_spec("fp16", head_dim=head_dim) if i in self.fp_key_layers else make_spec(method, **key_params)
+            if value_method is None:
+                value_spec = make_spec(method, **{**key_params, **(value_params or {})})
+            else:
+                value_spec = make_spec(value_method, **{"head_dim": head_dim, **(value_params or {}), **over})
+            base = value_spec if i in self.fp_key_layers else key_spec
+            r = residual if residual is not None else type(base).default_residual
+            layers.append(
+                KVQLayer(
+                    key_spec, value_spec, layer_idx=i, backend=backend, residual=r,
+                    attention=attention, cache_decoded=cache_decoded, config=text_config,
+                )
+            )
+        super().__init__(layers=layers)
+
+    def __repr__(self) -> str:
+        return f"KVQCache(method={self.method!r}, backend={self.backend!r}, params={self.method_params}, layers={len(self.layers)})"
+
+    @property
+    def kvq_layers(self) -> list[KVQLayer]:
+        return [layer for layer in self.layers if isinstance(layer, KVQLayer)]
+
+    def drop_decoded(self) -> None:
+        for layer in self.kvq_layers:
+            layer.drop_decoded()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As ``Cache.crop``, but checks every layer first so a refused crop changes nothing."""
+        for layer in self.kvq_layers:
+            layer.check_crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes the cache holds now: packed blocks + exact windows + full-precision layers.
+
+        The decoded-history copy kept for dequant-mode attention is *not* included; see
+        :meth:`memory_report` (``decoded_bytes``).
+        """
+        r = self.memory_report()
+        return r["packed_bytes"] + r["window_bytes"] + r["fp_layer_bytes"]
+
+    def memory_report(self) -> dict[str, Any]:
+        """Byte and bit accounting, per kind of storage.
+
+        ``bits_per_element`` is stored bits over K/V elements at the last attention step, with
+        exact tokens (windows, full-precision layers) counted at 16 bits, as a float16 model
+        stores them. ``dynamic_cache_bytes`` is what a ``DynamicCache`` holding the same tokens
+        in the model's dtype would hold.
+        """
+        packed = window = fp = dec = dyn = 0
+        bits = elements = 0.0
+        for layer in self.layers:
+            if isinstance(layer, KVQLayer):
+                packed += layer.packed_bytes
+                window += layer.window_bytes()
+                dec += layer.decoded_bytes()
+                bits += layer.last_attention_bits
+                elements += layer.last_attention_elements
+                if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
+                    b, h, _, d = layer.keys.shape
+                    dyn += 2 * b * h * layer.cumulative_length * d * layer.keys.element_size()
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                nb = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                fp += nb
+                dyn += nb
+                e = layer.keys.numel() + layer.values.numel()
+                bits += WINDOW_BITS * e
+                elements += e
+        return {
+            "packed_bytes": packed,
+            "window_bytes": window,
+            "fp_layer_bytes": fp,
+            "decoded_bytes": dec,
+            "total_bytes": packed + window + fp,
+            "dynamic_cache_bytes": dyn,
+            "bits_per_element": bits / elements if elements else math.nan,
+        }
+
+    def bits_per_element(self) -> float:
+        """Stored bits per K/V element at the last attention step (exact tokens at 16 bits)."""
+        return self.memory_report()["bits_per_element"]
+
+
+def dynamic_cache_nbytes(cache: Cache) -> int:
+    """Bytes a transformers cache holds in its layers' ``keys``/``values`` tensors."""
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,328 @@
+"""transformers integration: KVQCache and the "kvq" attention function on a tiny llama GGUF.
+
+The model is written in the test with the gguf package (tests/tiny_gguf.py) and loaded through
+transformers' GGUF path, so nothing is downloaded.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_gguf import load_tiny_llama  # noqa: E402
+
+import kvq_core  # noqa: E402
+from kvq_core.errors import KVQError, SpecError  # noqa: E402
+from kvq_core.hf import KVQCache, KVQLayer, dynamic_cache_nbytes, merge_attention, register  # noqa: E402
+
+from transformers import DynamicCache  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+register()
+
+# 2 layers, hidden 64, 4 query heads / 2 KV heads (GQA); head_dim 16 and 32 variants
+SHAPES = {16: dict(head_dim=16), 32: dict(head_dim=32, seed=1, name="tiny-hd32.gguf")}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for hd, kw in SHAPES.items():
+        out[hd] = load_tiny_llama(tmp_path_factory.mktemp(f"gguf{hd}"), **kw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(models):
+    return models[16]
+
+
+def _ids(n, batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, n), generator=g)
+
+
+def _attn(model, name):
+    model.set_attn_implementation(name)
+    return model
+
+
+def _gen(model, ids, cache, n=12, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache, **kw)
+
+
+def _methods():
+    return [r.name for r in kvq_core.list_methods() if r.available]
+
+
+# -- loading ----------------------------------------------------------------------------------
+def test_tiny_gguf_loads_as_llama(models):
+    for hd, m in models.items():
+        cfg = m.config
+        assert cfg.model_type == "llama" and cfg.head_dim == hd
+        assert cfg.num_attention_heads == 4 and cfg.num_key_value_heads == 2 and cfg.num_hidden_layers == 2
+        assert m.dtype == torch.float32
+
+
+# -- exactness ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["auto", "numpy"])
+def test_fp16_method_equals_dynamic_cache(model, backend):
+    _attn(model, "sdpa")
+    ids = _ids(40)
+    ref = _gen(model, ids, DynamicCache(config=model.config), n=20)
+    exact = _gen(model, ids, KVQCache(model.config, "fp16", backend, storage="float32", residual=8), n=20)
+    assert torch.equal(exact, ref)
+    half = _gen(model, ids, KVQCache(model.config, "fp16", backend), n=20)  # float16 storage, default residual 0
+    assert torch.equal(half, ref)
+
+
+def test_fp16_equals_dynamic_with_past_key_values_kwarg(model):
+    _attn(model, "sdpa")
+    ids = _ids(24, seed=3)
+    ref = _gen(model, ids, DynamicCache(config=model.config), n=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=10, do_sample=False,
+                                 past_key_values=KVQCache(model.config, "fp16", storage="float32", residual=8))
+    assert torch.equal(out, ref)
+
+
+def test_beam_search_reorders_packed_blocks(model):
+    _attn(model, "sdpa")
+    ids = _ids(20, batch=2, seed=5)
+    ref = _gen(model, ids, DynamicCache(config=model.config), n=10, num_beams=3)
+    cache = KVQCache(model.config, "fp16", storage="float32", residual=4)
+    out = _gen(model, ids, cache, n=10, num_beams=3)
+    assert torch.equal(out, ref)
+    assert len(cache.layers[0].blocks) >= 2
+    # a quantized cache runs beam search too
+    out = _gen(model, ids, KVQCache(model.config, "oscar", bits=2, residual=4), n=6, num_beams=2)
+    assert out.shape == (2, 26)
+
+
+# -- every method -------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", _methods())
+def test_generation_runs_with_every_method(models, method):
+    for hd in (16, 32):
+        try:
+            cache = KVQCache(models[hd].config, method, residual=8)
+        except SpecError:
+            continue
+        m = _attn(models[hd], "sdpa")
+        ids = _ids(21, seed=hd)
+        out = _gen(m, ids, cache, n=8)
+        assert out.shape == (1, 29)
+        assert cache.get_seq_length() == 28  # the last generated token is never fed back
+        layer = cache.layers[0]
+        assert isinstance(layer, KVQLayer) and layer.packed_length == 24 and layer.window_length == 4
+        report = cache.memory_report()
+        assert report["packed_bytes"] > 0 and math.isfinite(report["bits_per_element"])
+        return
+    pytest.skip(f"{method} supports neither head_dim 16 nor 32")
+
+
+# -- bookkeeping ----------------------------------------------------------------------------------
+def test_length_bookkeeping_across_prefill_decode_and_flush(model):
+    _attn(model, "sdpa")
+    cache = KVQCache(model.config, "oscar", bits=2, residual=8)
+    layer = cache.layers[1]
+    with torch.no_grad():
+        model(_ids(37), cache=cache)
+        assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (37, 32, 5)
+        assert cache.get_mask_sizes(1, 0) == (38, 0)
+        for step in range(1, 4):  # window 6, 7 -> kept; 8 -> attended, then flushed
+            model(_ids(1, seed=step), cache=cache)
+        assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (40, 40, 0)
+        assert layer.block_tokens == [32, 8]
+        model(_ids(1, seed=9), cache=cache)
+        assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (41, 40, 1)
+        model(_ids(20, seed=10), cache=cache)  # a chunk: window 21 -> 16 packed, 5 kept
+        assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (61, 56, 5)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and layer.blocks == [] and not layer.is_initialized
+    with torch.no_grad():
+        model(_ids(9), cache=cache)
+    assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (9, 8, 1)
+
+
+def test_default_residual_comes_from_the_spec(model):
+    for method in ("oscar", "octopus", "fp16"):
+        cache = KVQCache(model.config, method)
+        spec_cls = kvq_core.registry.method_info(method).spec_cls
+        assert cache.layers[0].residual == spec_cls.default_residual
+
+
+def test_crop_window_and_whole_blocks_only(model):
+    _attn(model, "sdpa")
+    ids = _ids(20, seed=11)
+    cache = KVQCache(model.config, "fp16", storage="float32", residual=8)
+    with torch.no_grad():
+        model(ids, cache=cache)  # 16 packed (one block) + 4 exact
+        cache.crop(-2)
+        assert cache.get_seq_length() == 18 and cache.layers[0].window_length == 2
+        with pytest.raises(KVQError, match="inside a packed block"):
+            cache.crop(-5)
+        assert cache.get_seq_length() == 18  # a refused crop changes nothing
+        cache.crop(-18)
+        assert cache.get_seq_length() == 0
+        # cropping back to a block boundary then continuing equals a fresh cache
+        cache = KVQCache(model.config, "fp16", storage="float32", residual=8)
+        model(ids, cache=cache)
+        cache.crop(-4)
+        ref = DynamicCache(config=model.config)
+        model(ids[:, :16], cache=ref)
+        a = model(ids[:, 16:19], cache=cache).logits
+        b = model(ids[:, 16:19], cache=ref).logits
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_fp_layers_and_split_key_value_codecs(model):
+    _attn(model, "sdpa")
+    cache = KVQCache(model.config, "oscar", bits=3, fp_layers=(-1,), value_params={"bits": 2}, residual=8)
+    assert type(cache.layers[1]) is transformers.cache_utils.DynamicLayer
+    layer = cache.layers[0]
+    assert layer.key_spec.bits == 3 and layer.value_spec.bits == 2 and not layer.same_spec
+    with torch.no_grad():
+        model(_ids(33), cache=cache)
+        model(_ids(1), cache=cache)  # attends over 32 packed + 2 exact tokens
+    report = cache.memory_report()
+    assert report["fp_layer_bytes"] == dynamic_cache_nbytes(cache) - layer.window_bytes()
+    assert 3.0 < report["bits_per_element"] < 16.0
+    keys_fp = KVQCache(model.config, "oscar", bits=2, fp_key_layers=(0,))
+    assert keys_fp.layers[0].key_spec.method == "fp16" and keys_fp.layers[0].value_spec.method == "oscar"
+
+
+def test_memory_accounting(model):
+    _attn(model, "sdpa")
+    ids = _ids(64, seed=2)
+    ref = DynamicCache(config=model.config)
+    cache = KVQCache(model.config, "oscar", bits=2, residual=16)
+    with torch.no_grad():
+        model(ids, cache=ref)
+        model(ids, cache=cache)
+        model(_ids(1), cache=cache)  # dequant-mode attention decodes the packed history once
+    report = cache.memory_report()
+    assert report["dynamic_cache_bytes"] == dynamic_cache_nbytes(ref) * 65 // 64
+    assert cache.nbytes() == report["packed_bytes"] + report["window_bytes"] < dynamic_cache_nbytes(ref) / 3
+    assert report["decoded_bytes"] > 0  # dequant mode keeps a decoded copy; reported, not hidden
+    cache.drop_decoded()
+    assert cache.memory_report()["decoded_bytes"] == 0
+
+
+def test_head_dim_is_checked_against_the_method(models):
+    with pytest.raises(SpecError):
+        KVQCache(models[16].config, "oscar", bits=9)
+
+
+# -- attention from codes -----------------------------------------------------------------------
+def test_merge_attention_is_exact():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 3, 8, generator=g) for _ in range(3))
+    full = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+    parts = []
+    for sl in (slice(0, 1), slice(1, 3)):
+        logits = q @ k[:, :, sl].transpose(-1, -2)
+        parts.append((torch.softmax(logits, -1) @ v[:, :, sl], torch.logsumexp(logits, -1)))
+    assert torch.allclose(merge_attention(parts), full, atol=1e-6)
+
+
+@pytest.mark.parametrize("method,params", [("fp16", {"storage": "float32"}), ("oscar", {"bits": 2}), ("octopus", {"bits": 3})])
+def test_codes_attention_matches_dequant_attention(model, method, params):
+    ids = _ids(50, seed=4)
+    logits = {}
+    for attn in ("sdpa", "kvq"):
+        _attn(model, attn)
+        cache = KVQCache(model.config, method, residual=16, **params)
+        with torch.no_grad():
+            outs = [model(ids[:, :35], cache=cache).logits, model(ids[:, 35:36], cache=cache).logits,
+                    model(ids[:, 36:50], cache=cache).logits]
+        logits[attn] = torch.cat(outs, dim=1)
+        if attn == "kvq":
+            assert cache.layers[0].codes_mode and cache.memory_report()["decoded_bytes"] == 0
+    _attn(model, "sdpa")
+    assert torch.allclose(logits["kvq"], logits["sdpa"], atol=2e-4, rtol=1e-4)
+
+
+def test_codes_attention_generation_equals_dynamic_cache(model):
+    _attn(model, "sdpa")
+    ids = _ids(30, seed=8)
+    ref = _gen(model, ids, DynamicCache(config=model.config), n=16)
+    _attn(model, "kvq")
+    try:
+        out = _gen(model, ids, KVQCache(model.config, "fp16", storage="float32", residual=8), n=16)
+        out_fp = _gen(model, ids, KVQCache(model.config, "oscar", bits=4, fp_layers=(0,), residual=8), n=4)
+    finally:
+        _attn(model, "sdpa")
+    assert torch.equal(out, ref)
+    assert out_fp.shape == (1, 34)
+
+
+def test_codes_mode_without_kvq_attention_is_caught(model):
+    _attn(model, "sdpa")
+    cache = KVQCache(model.config, "oscar", bits=2, residual=8, attention="codes")
+    with torch.no_grad():
+        model(_ids(10), cache=cache)
+        with pytest.raises(KVQError, match="never consumed"):
+            model(_ids(1), cache=cache)
+
+
+# -- evaluation helpers ---------------------------------------------------------------------------
+@pytest.mark.parametrize("attn", ["sdpa", "kvq"])
+def test_shared_prefill_equals_real_prefill(model, attn):
+    from kvq_core.eval.caches import build_cache, parse_config, populate
+
+    _attn(model, attn)
+    ids = _ids(48, seed=6)
+    for text in ("oscar:bits=2,residual=8", "octopus:bits=2,residual=8", "fp"):
+        cfg = parse_config(text)
+        real, shared_cache, dyn = build_cache(cfg, model.config), build_cache(cfg, model.config), DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :40], cache=real)
+            model(ids[:, :40], cache=dyn)
+            populate(shared_cache, dyn)
+            a = model(ids[:, 40:], cache=real).logits
+            b = model(ids[:, 40:], cache=shared_cache).logits
+        if attn == "sdpa":
+            assert torch.equal(a, b), text
+        else:  # the real prefill attends with the kvq function, the shared one with sdpa: float rounding
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), text
+    _attn(model, "sdpa")
+
+
+def test_eval_config_parsing_and_chunks(model):
+    from kvq_core.eval.caches import build_cache, parse_config, stored
+    from kvq_core.eval.ppl import chunk_plan, token_elements, window_starts
+
+    cfg = parse_config("oscar:bits=3,v.bits=2,residual=16,fp_layers=0;-1,label=mine")
+    assert (cfg.label, cfg.kind, cfg.params, cfg.value_params) == ("mine", "kvq", {"bits": 3}, {"bits": 2})
+    assert cfg.options == {"residual": 16, "fp_layers": [0, -1]} and cfg.nominal_bits == "K3/V2"
+    assert parse_config("oscar:bits=2,token_scaling=false").params == {"bits": 2, "token_scaling": False}
+    assert parse_config("quanto:nbits=2").label == "hf-quanto-int2"
+    cache = build_cache(parse_config("octopus:bits=2,residual=32"), model.config)
+    assert chunk_plan(parse_config("octopus:bits=2,residual=32"), cache, 1536, 100, None) == [32, 32, 32, 4]
+    assert chunk_plan(parse_config("fp"), None, 100, 200, None) == [28, 128, 44]
+    assert chunk_plan(parse_config("fp"), None, 100, 50, 20) == [20, 20, 10]
+    assert window_starts(10_000, 1000, 4, 3, tuning=False) == [4, 6, 8]
+    assert window_starts(10_000, 1000, 4, 3, tuning=True) == [0, 1, 2]
+    with torch.no_grad():
+        model(_ids(40), cache=cache)
+    s = stored(cache, token_elements(model.config))
+    assert s["elements"] == 2 * 40 * token_elements(model.config)
+
+
+def test_niah_answer_check():
+    from kvq_core.eval.niah import answer_ok
+
+    assert answer_ok(" 71432. Remember", "71432")
+    assert not answer_ok(" 7143", "71432") and not answer_ok(" none", "71432")
