@@ -136,11 +136,16 @@ def plot_niah(data: dict[str, Any], png: Path) -> None:
     labels = [c["label"] for c in data["configs"] if any(r["label"] == c["label"] for r in data["runs"])]
     if not labels:
         return
-    fig, axes = plt.subplots(len(tasks), len(labels), figsize=(1.6 * len(labels) + 1, 2.2 * len(tasks) + 0.6),
+    ncols = min(6, len(labels))
+    per_task = -(-len(labels) // ncols)
+    fig, axes = plt.subplots(per_task * len(tasks), ncols, figsize=(2.0 * ncols + 0.6, 2.0 * per_task * len(tasks) + 0.8),
                              squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
     for ti, task in enumerate(tasks):
         for li, label in enumerate(labels):
-            ax = axes[ti][li]
+            ax = axes[ti * per_task + li // ncols][li % ncols]
+            ax.axis("on")
             cells = niah_cells(data, label, task)
             grid = np.full((len(depths), len(contexts)), np.nan)
             for (c, d), hits in cells.items():
@@ -150,13 +155,12 @@ def plot_niah(data: dict[str, Any], png: Path) -> None:
             for i in range(len(depths)):
                 for j in range(len(contexts)):
                     if not np.isnan(grid[i, j]):
-                        ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize=6)
-            ax.set_xticks(range(len(contexts)), [f"{c // 1024}k" for c in contexts], fontsize=6)
+                        ax.text(j, i, f"{grid[i, j]:.2g}", ha="center", va="center", fontsize=6)
+            ax.set_xticks(range(len(contexts)), [f"{c / 1024:g}k" for c in contexts], fontsize=6)
             ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=6)
-            if ti == 0:
-                ax.set_title(label, fontsize=6)
-            if li == 0:
-                ax.set_ylabel(f"{task}\ndepth", fontsize=7)
+            ax.set_title(f"{task}: {label}", fontsize=6)
+            if li % ncols == 0:
+                ax.set_ylabel("needle depth", fontsize=6)
     fig.suptitle(f"{data['model']['name']}: needle recall (depth x context)", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -179,11 +183,16 @@ def write_niah_report(data: dict[str, Any], out_json: Path) -> None:
 
 
 # -- combined summary -------------------------------------------------------------------------
-def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str = "eval_niah.json") -> Path:
-    """Join PPL and NIAH results per configuration label into ``eval_summary.md``."""
+def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str = "eval_niah.json",
+                  niah_2k_name: str = "eval_niah_2k.json") -> Path:
+    """Join PPL and NIAH results per configuration label into ``eval_summary.md``.
+
+    The per-task recall columns at 2k come from ``eval_niah_2k.json`` (more trials) when present.
+    """
     folder = Path(folder)
     ppl = json.loads((folder / ppl_name).read_text()) if (folder / ppl_name).exists() else None
     niah = json.loads((folder / niah_name).read_text()) if (folder / niah_name).exists() else None
+    niah2k = json.loads((folder / niah_2k_name).read_text()) if (folder / niah_2k_name).exists() else None
     rows: dict[str, dict[str, Any]] = {}
     for r in (ppl or {}).get("summary", []):
         rows[r["label"]] = dict(r)
@@ -191,13 +200,15 @@ def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str 
     if niah:
         contexts = niah["protocol"]["contexts"]
         ctx2k = 2048 if 2048 in contexts else contexts[len(contexts) // 2]
+        src = niah2k if niah2k and ctx2k in niah2k["protocol"]["contexts"] else niah
+        n_at = len(src["protocol"]["depths"]) * src["protocol"]["trials"]
         for cfg in niah["configs"]:
             row = rows.setdefault(cfg["label"], {"label": cfg["label"], "bits": cfg["bits"]})
             row["recall_all"] = recall(niah, cfg["label"])
             for t in niah["protocol"]["tasks"]:
-                row[f"recall_{t}"] = recall(niah, cfg["label"], t, ctx2k)
+                row[f"recall_{t}"] = recall(src, cfg["label"], t, ctx2k)
     tasks = niah["protocol"]["tasks"] if niah else []
-    head = ["method", "bits", "true bits/elt", "PPL", "Δ vs fp"] + [f"{t} @{ctx2k}" for t in tasks] + \
+    head = ["method", "bits", "true bits/elt", "PPL", "Δ vs fp"] + [f"{t} @{ctx2k} (n={n_at})" for t in tasks] + \
         (["recall (all)"] if niah else []) + ["tokens/s", "cache MiB", "DynamicCache MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows.values():
@@ -214,9 +225,11 @@ def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str 
                   f"{p['prefix']} prefix tokens through the cache + {p['score']} scored tokens.")
     if niah:
         md.append(f"NIAH: {niah['protocol']['tasks']} at contexts {niah['protocol']['contexts']}, depths "
-                  f"{niah['protocol']['depths']}; the recall columns are at {ctx2k} tokens.")
-    md += ["", *lines, "", "Details: [perplexity](eval_ppl.md), [needle in a haystack](eval_niah.md); protocol and "
-           "findings in [docs/eval.md](../../docs/eval.md).", ""]
+                  f"{niah['protocol']['depths']}; the per-task recall columns are at {ctx2k} tokens (n prompts per "
+                  "task), 'recall (all)' over every context, depth and task of the main NIAH run.")
+    md += ["", *lines, "", "Details: [perplexity](eval_ppl.md), [needle in a haystack](eval_niah.md)"
+           + (", [needle at 2k, more trials](eval_niah_2k.md)" if niah2k else "")
+           + "; protocol and findings in [docs/eval.md](../../docs/eval.md).", ""]
     path = folder / SUMMARY_MD
     path.write_text("\n".join(md))
     return path
