@@ -243,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
             data["summary"] = summarize(data["runs"], configs, fp_label)
             _write_json(out, data)
             bar.update(1)
-            tqdm.write(f"window {w} {c.label:32s} ppl {run['ppl']:.3f}  bits/elt {run['bits_per_element']:.2f}  "
-                       f"{run['tok_s']:.1f} tok/s") if not args.quiet else None
+            if not args.quiet:
+                tqdm.write(f"window {w} {c.label:32s} ppl {run['ppl']:.3f}  bits/elt {run['bits_per_element']:.2f}  "
+                           f"{run['tok_s']:.1f} tok/s")
     bar.close()
     data["summary"] = summarize(data["runs"], configs, fp_label)
     _write_json(out, data)

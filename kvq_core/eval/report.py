@@ -172,7 +172,7 @@ def write_niah_report(data: dict[str, Any], out_json: Path) -> None:
     proto = data["protocol"]
     md = [f"# Needle in a haystack: {data['model']['name']}", "",
           f"Tasks {proto['tasks']}, contexts {proto['contexts']} tokens, needle depths {proto['depths']}, "
-          f"{proto['trials']} trial(s) per cell, haystack `{proto['haystack']}`. The context (instructions + haystack "
+          f"{proto['trials']} trial(s) per cell, haystack `{Path(str(proto['haystack'])).name}`. The context (instructions + haystack "
           "with needles) is prefilled through the cache; the question is then fed as a chunk attending to the cache "
           f"and the answer decoded greedily ({proto['answer_tokens']} tokens). A cell is correct when the first "
           "number in the answer is the needle's.", "", format_niah_table(data), "",
