@@ -326,3 +326,86 @@ def test_niah_answer_check():
 
     assert answer_ok(" 71432. Remember", "71432")
     assert not answer_ok(" 7143", "71432") and not answer_ok(" none", "71432")
+
+
+def test_ppl_kl_against_the_fp_reference(model):
+    from kvq_core.eval.caches import parse_config
+    from kvq_core.eval.ppl import score_window
+
+    ids = _ids(49, seed=8)
+    fp = parse_config("fp")
+    run, ref = score_window(model, ids, fp, 32, 16, backend="auto", shared=None, chunk=None, keep_logprobs=True)
+    assert run["kl"] is None and ref.shape == (16, model.config.vocab_size)
+    assert math.isclose(run["nll"], -ref.gather(1, ids[0, 33:49, None]).sum().item(), rel_tol=1e-6)
+    same, _ = score_window(model, ids, fp, 32, 16, backend="auto", shared=None, chunk=8, reference=ref)
+    assert abs(same["kl"]) < 1e-6 and math.isclose(same["nll"], run["nll"], rel_tol=1e-5)
+    coarse, none = score_window(model, ids, parse_config("oscar:bits=2,residual=8"), 32, 16, backend="auto",
+                                shared=None, chunk=None, reference=ref)
+    fine, _ = score_window(model, ids, parse_config("oscar:bits=4,residual=8"), 32, 16, backend="auto",
+                           shared=None, chunk=None, reference=ref)
+    assert none is None and coarse["kl"] > fine["kl"] > 0
+
+
+def test_seed_expansion_and_group_summary():
+    from kvq_core.eval.caches import expand_seeds, parse_config
+    from kvq_core.eval.ppl import summarize, summarize_groups
+
+    cfgs = [parse_config(t) for t in ("fp", "octopus:bits=3", "oscar:bits=2", "turboquant:bits=3,seed=5",
+                                      "turboquant:bits=3,value_method=octopus,v.bits=2,label=tq")]
+    out = expand_seeds(cfgs, [0, 1])
+    assert [c.label for c in out] == ["fp", "octopus-3@seed0", "octopus-3@seed1", "oscar-2", "turboquant-3[seed=5]",
+                                      "tq@seed0", "tq@seed1"]
+    assert out[2].params == {"bits": 3, "seed": 1} and out[2].value_params == {} and out[2].group == "octopus-3"
+    assert out[6].value_params == {"bits": 2, "seed": 1}  # a different value codec gets the seed too
+    assert expand_seeds(cfgs, None) == cfgs
+    runs = [{"label": lab, "window": w, "nll": nll, "tokens": 100, "kl": kl, "bits_per_element": 4.0, "score_s": 1.0,
+             "cache_bytes": 1, "dynamic_bytes": 2}
+            for lab, w, nll, kl in [("fp", 0, 200.0, None), ("octopus-3@seed0", 0, 202.0, 1.0),
+                                    ("octopus-3@seed1", 0, 204.0, 3.0)]]
+    rows = summarize(runs, out, "fp")
+    groups = summarize_groups(rows)
+    assert len(groups) == 1 and groups[0]["group"] == "octopus-3" and groups[0]["seeds"] == 2
+    d0, d1 = 100 * (math.exp(0.02) - 1), 100 * (math.exp(0.04) - 1)
+    assert groups[0]["deltas"] == pytest.approx([d0, d1])
+    assert groups[0]["delta_mean"] == pytest.approx((d0 + d1) / 2)
+    assert groups[0]["delta_sd"] == pytest.approx(abs(d1 - d0) / math.sqrt(2))
+    assert groups[0]["kl_mean"] == pytest.approx(0.02)
+
+
+def _byte_tokenizer(corpus):
+    """A real byte-level BPE tokenizer (``tokenizers``), trained in memory: no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator([corpus], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+@pytest.mark.parametrize("form", ["repeat", "single"])
+def test_niah_multikey_prompt(form):
+    import random
+    import re
+
+    from kvq_core.eval.niah import INTRO, PromptBuilder
+
+    hay = " ".join(f"Sentence {i} of the haystack talks about nothing in particular." for i in range(400))
+    tok = _byte_tokenizer(hay)
+    builder = PromptBuilder(tok, "wikitext", hay)
+    for depth in (0.0, 0.5, 1.0):
+        prefix, question, answer = builder.build("multikey", 2000, depth, random.Random(depth), 3, 100, form)
+        assert len(prefix) + len(question) == 2000
+        text, q = tok.decode(prefix), tok.decode(question)
+        word = re.search(r"magic number for (\w+)\?", q).group(1)
+        found = re.findall(r"The special magic number for (\w+) is (\d+)\.", text)
+        assert len(found) == 3 and len({w for w, _ in found}) == 3 and (word, answer) in found
+        assert text.count(answer) == (2 if form == "repeat" else 1)
+        if form == "repeat":
+            assert f"{answer} is the special magic number for {word}." in text
+        body = text[text.index(INTRO.strip()) + len(INTRO.strip()):]  # the haystack with its needles
+        at = body.index(f"The special magic number for {word} is {answer}") / len(body)
+        assert abs(at - depth) < 0.1, (depth, at)
+    with pytest.raises(ValueError, match="needle form"):
+        builder.build("multikey", 600, 0.5, random.Random(0), 3, 100, "triple")

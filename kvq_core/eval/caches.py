@@ -51,6 +51,7 @@ class CacheConfig:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     value_params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    group: str = ""  # the configuration this is one rotation seed of (``expand_seeds``), else ""
 
     @property
     def nominal_bits(self) -> Any:
@@ -66,7 +67,8 @@ class CacheConfig:
 
     def describe(self) -> dict[str, Any]:
         return {"label": self.label, "kind": self.kind, "method": self.method, "params": self.params,
-                "options": self.options, "value_params": self.value_params, "bits": self.nominal_bits}
+                "options": self.options, "value_params": self.value_params, "bits": self.nominal_bits,
+                "group": self.group}
 
 
 def parse_config(text: str) -> CacheConfig:
@@ -100,6 +102,36 @@ def parse_config(text: str) -> CacheConfig:
     if label is None:
         label = _default_label(head, kind, params, options, vparams)
     return CacheConfig(label, kind, head if kind == "kvq" else "", params, options, vparams)
+
+
+def _has_seed(method: str) -> bool:
+    import kvq_core
+
+    return "seed" in kvq_core.make_spec(method).to_dict()
+
+
+def expand_seeds(configs: list[CacheConfig], seeds: list[int] | None) -> list[CacheConfig]:
+    """One copy per seed (label ``LABEL@seedS``, ``group`` LABEL) of every kvq configuration
+    whose codec has a rotation ``seed`` and does not fix it; others are returned unchanged.
+
+    Rotation signs are random: one seed is one draw, and near-lossless configurations differ
+    by less than the seed-to-seed spread, so comparisons there need several seeds.
+    """
+    if not seeds:
+        return list(configs)
+    out = []
+    for c in configs:
+        if c.kind != "kvq" or "seed" in c.params or not _has_seed(c.method):
+            out.append(c)
+            continue
+        vmethod = c.options.get("value_method")
+        for s in seeds:
+            vparams = dict(c.value_params)
+            if vmethod and _has_seed(vmethod) and "seed" not in vparams:  # else values inherit the key params
+                vparams["seed"] = s
+            out.append(dataclasses.replace(c, label=f"{c.label}@seed{s}", params={**c.params, "seed": s},
+                                           value_params=vparams, group=c.label))
+    return out
 
 
 def _default_label(head: str, kind: str, params: dict, options: dict, vparams: dict) -> str:

@@ -4,7 +4,9 @@ Tasks:
 
 - ``passkey``: one needle "The pass key is N. Remember it. N is the pass key." in the haystack;
   asked "What is the pass key? The pass key is";
-- ``multikey``: several needles "The special magic number for WORD is N." (``--keys``, default 4),
+- ``multikey``: several needles "The special magic number for WORD is N. Remember it. N is the
+  special magic number for WORD." (``--keys``, default 3; the passkey needle's form, so the two
+  tasks differ only by the distractors; ``--multikey-form single`` keeps only the first sentence),
   one of them (the target, at the swept depth) asked for; the others sit at random depths.
 
 Per cell (task, context length, target depth, trial) the prompt is instructions + haystack with
@@ -41,15 +43,23 @@ WORDS = ("apple", "river", "violin", "tiger", "candle", "harbor", "pepper", "mea
          "lantern", "orchid", "falcon", "marble", "copper", "glacier", "walnut", "puzzle", "anchor", "velvet")
 
 
-def _needles(task: str, rng: random.Random, keys: int) -> tuple[list[str], str, str]:
+MULTIKEY_FORMS = ("repeat", "single")
+
+
+def _needles(task: str, rng: random.Random, keys: int, form: str = "repeat") -> tuple[list[str], str, str]:
     """``(needle sentences (target first), question, answer)``."""
     if task == "passkey":
         n = str(rng.randint(10000, 99999))
         return [f"The pass key is {n}. Remember it. {n} is the pass key."], "What is the pass key? The pass key is", n
     if task == "multikey":
+        if form not in MULTIKEY_FORMS:
+            raise ValueError(f"unknown multikey needle form {form!r}; expected one of {MULTIKEY_FORMS}")
         words = rng.sample(WORDS, keys)
         nums = [str(rng.randint(10000, 99999)) for _ in words]
         needles = [f"The special magic number for {w} is {n}." for w, n in zip(words, nums)]
+        if form == "repeat":
+            needles = [f"{s} Remember it. {n} is the special magic number for {w}."
+                       for s, w, n in zip(needles, words, nums)]
         return needles, f"What is the special magic number for {words[0]}? The special magic number for {words[0]} is", nums[0]
     raise ValueError(f"unknown task {task!r}; expected passkey or multikey")
 
@@ -74,10 +84,10 @@ class PromptBuilder:
     def encode(self, s: str) -> list[int]:
         return self.tok(s, add_special_tokens=False).input_ids
 
-    def build(self, task: str, context: int, depth: float, rng: random.Random, keys: int, offset: int
-              ) -> tuple[list[int], list[int], str]:
+    def build(self, task: str, context: int, depth: float, rng: random.Random, keys: int, offset: int,
+              form: str = "repeat") -> tuple[list[int], list[int], str]:
         """``(prefix ids, question ids, answer)`` with ``len(prefix) + len(question) == context``."""
-        needles, question, answer = _needles(task, rng, keys)
+        needles, question, answer = _needles(task, rng, keys, form)
         q_ids = self.encode("\n\n" + question)
         n_ids = [self.encode(" " + s + " ") for s in needles]
         budget = context - len(self.bos) - len(self.intro) - len(q_ids) - sum(map(len, n_ids))
@@ -146,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 2048, 4096])
     p.add_argument("--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int, default=1, help="prompts per (task, context, depth) (default 1)")
-    p.add_argument("--keys", type=int, default=4, help="needles in a multikey prompt (default 4)")
+    p.add_argument("--keys", type=int, default=3, help="needles in a multikey prompt (default 3)")
+    p.add_argument("--multikey-form", choices=MULTIKEY_FORMS, default="repeat",
+                   help="multikey needle: stated twice like the passkey (default) or one sentence")
     p.add_argument("--answer-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-shared-prefill", action="store_true")
@@ -179,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {
         "kind": "niah", "model": info,
         "protocol": {"tasks": args.tasks, "contexts": args.contexts, "depths": args.depths, "trials": args.trials,
-                     "keys": args.keys, "haystack": args.haystack if args.haystack == "filler" else source,
+                     "keys": args.keys, "multikey_form": args.multikey_form, "haystack": args.haystack if args.haystack == "filler" else source,
                      "answer_tokens": args.answer_tokens, "seed": args.seed, "backend": args.backend,
                      "shared_prefill": not args.no_shared_prefill, "attn": args.attn or model.config._attn_implementation},
         "configs": [c.describe() for c in configs], "runs": [],
@@ -195,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rng = random.Random(f"{args.seed}-{task}-{context}-{depth}-{trial}")
         offset = 0 if args.haystack == "filler" else rng.randrange(0, max(1, len(builder.hay_ids) - context - 10))
-        prefix, question, answer = builder.build(task, context, depth, rng, args.keys, offset)
+        prefix, question, answer = builder.build(task, context, depth, rng, args.keys, offset, args.multikey_form)
         shared = None
         if not args.no_shared_prefill:
             bar.set_postfix_str(f"{task} {context} d={depth}: prefill")

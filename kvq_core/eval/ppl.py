@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvq_core.eval.caches import CacheConfig, build_cache, parse_config, populate, steady_bits, stored
+from kvq_core.eval.caches import CacheConfig, build_cache, expand_seeds, parse_config, populate, steady_bits, stored
 
 # the best configuration found at <= 3.2 true bits per element (tuned on windows 0-2, see docs/eval.md):
 # TurboQuant keys at 3 bits and values at 2 bits, both norm-corrected, 28 exact tokens
@@ -85,25 +85,38 @@ def token_elements(model_config: Any) -> int:
 
 
 def score_window(model: Any, ids: Any, cfg: CacheConfig, prefix: int, score: int, *, backend: str,
-                 shared: Any | None, chunk: int | None) -> dict[str, Any]:
-    """NLL of ``score`` tokens after ``prefix`` for one configuration; ``ids`` is ``[1, prefix+score+1]``."""
+                 shared: Any | None, chunk: int | None, reference: Any | None = None,
+                 keep_logprobs: bool = False) -> tuple[dict[str, Any], Any | None]:
+    """NLL of ``score`` tokens after ``prefix`` for one configuration; ``ids`` is ``[1, prefix+score+1]``.
+
+    With ``reference`` (the full-precision run's next-token log-probabilities, ``[score, vocab]``)
+    the run also records ``kl``: the summed KL(fp || this cache) over the scored positions, a
+    lower-variance measure of the same damage PPL sees. ``keep_logprobs`` returns this run's
+    log-probabilities (to serve as the reference); otherwise the second item is ``None``.
+    """
     import torch
-    import torch.nn.functional as F
 
     cache = build_cache(cfg, model.config, backend)
     t0 = time.perf_counter()
+    kept = []
     with torch.no_grad():
         if shared is not None:
             populate(cache, shared)
         else:
             model(ids[:, :prefix], cache=cache, use_cache=True)
         prefill_s = time.perf_counter() - t0
-        nll, pos = 0.0, prefix
+        nll, kl, pos = 0.0, 0.0, prefix
         t1 = time.perf_counter()
         for size in chunk_plan(cfg, cache, prefix, score, chunk):
             logits = model(ids[:, pos:pos + size], cache=cache, use_cache=True).logits
+            logp = torch.log_softmax(logits[0].float(), dim=-1)
             target = ids[0, pos + 1:pos + size + 1]
-            nll += F.cross_entropy(logits[0].float(), target, reduction="sum").item()
+            nll -= logp.gather(1, target[:, None]).sum().item()
+            if reference is not None:
+                ref = reference[pos - prefix:pos - prefix + size]
+                kl += (ref.exp() * (ref - logp)).sum().item()
+            if keep_logprobs:
+                kept.append(logp)
             pos += size
         score_s = time.perf_counter() - t1
     after = stored(cache, token_elements(model.config))
@@ -111,11 +124,12 @@ def score_window(model: Any, ids: Any, cfg: CacheConfig, prefix: int, score: int
     dyn = int(after["elements"] * model.dtype.itemsize)
     out = {
         "label": cfg.label, "nll": nll, "tokens": score, "ppl": math.exp(nll / score),
+        "kl": kl if reference is not None else None,
         "prefill_s": round(prefill_s, 3), "score_s": round(score_s, 3), "tok_s": score / score_s if score_s else math.nan,
         "bits_per_element": bpe, "cache_bytes": int(after["bytes"]), "dynamic_bytes": int(dyn),
         "decoded_bytes": int(cache.memory_report()["decoded_bytes"]) if hasattr(cache, "memory_report") else 0,
     }
-    return out
+    return out, (torch.cat(kept) if keep_logprobs else None)
 
 
 def window_starts(n_tokens: int, length: int, first: int, count: int, tuning: bool) -> list[int]:
@@ -153,8 +167,34 @@ def summarize(runs: list[dict[str, Any]], configs: list[CacheConfig], fp_label: 
             fp_ppl = math.exp(fp_nll / fp_tok)
             row["fp_ppl"] = fp_ppl
             row["delta_pct"] = 100.0 * (math.exp(sum(r["nll"] for r in common) / sum(r["tokens"] for r in common)) / fp_ppl - 1)
+        with_kl = [r for r in rs if r.get("kl") is not None]
+        if with_kl:
+            row["kl"] = sum(r["kl"] for r in with_kl) / sum(r["tokens"] for r in with_kl)
+        if c.group:
+            row["group"] = c.group
         rows.append(row)
     return rows
+
+
+def summarize_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per seed group (``--seeds``): mean, spread and per-seed Δ vs fp and KL over its rotation seeds."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("group") and r.get("delta_pct") is not None:
+            groups.setdefault(r["group"], []).append(r)
+    out = []
+    for name, rs in groups.items():
+        deltas = [r["delta_pct"] for r in rs]
+        mean = sum(deltas) / len(deltas)
+        sd = math.sqrt(sum((d - mean) ** 2 for d in deltas) / (len(deltas) - 1)) if len(deltas) > 1 else math.nan
+        kls = [r["kl"] for r in rs if r.get("kl") is not None]
+        out.append({
+            "group": name, "bits": rs[0]["bits"], "seeds": len(rs), "windows": min(r["windows"] for r in rs),
+            "bits_per_element": sum(r["bits_per_element"] for r in rs) / len(rs),
+            "delta_mean": mean, "delta_sd": sd, "delta_min": min(deltas), "delta_max": max(deltas),
+            "deltas": deltas, "kl_mean": sum(kls) / len(kls) if kls else None,
+        })
+    return out
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -178,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=None, help="teacher-forced chunk size (default: each cache's flush block)")
     p.add_argument("--windows", type=int, default=4, help="number of windows (default 4)")
     p.add_argument("--first-window", type=int, default=8, help="windows before this index are kept for tuning (default 8)")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, metavar="S",
+                   help="run every kvq configuration with a rotation seed once per seed (label@seedS) and report "
+                        "the mean and spread over seeds")
     p.add_argument("--tuning", action="store_true", help="run on the tuning windows (the first --windows) instead")
     p.add_argument("--no-shared-prefill", action="store_true", help="run the prefix forward once per configuration")
     p.add_argument("--attn", default=None, help="attention implementation, e.g. 'kvq' to attend from codes")
@@ -197,11 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvq_core.eval.model import load_model
     from kvq_core.eval.text import load_text
 
-    configs = [parse_config(m) for m in args.methods]
+    configs = expand_seeds([parse_config(m) for m in args.methods], args.seeds)
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"duplicate configuration labels: {labels}")
-    fp_label = next((c.label for c in configs if c.kind == "fp"), None)
+    fp_cfg = next((c for c in configs if c.kind == "fp"), None)
+    fp_label = fp_cfg.label if fp_cfg else None
+    if fp_cfg is not None:  # the fp run goes first in every window: it is the KL reference
+        configs = [fp_cfg] + [c for c in configs if c is not fp_cfg]
     model, tok, info = load_model(args.model, attn_implementation=args.attn, threads=args.threads)
     text, source = load_text(args.text_file, args.dataset)
     ids_all = tok(text, return_tensors="pt").input_ids
@@ -212,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "kind": "ppl", "model": info, "text": source, "text_tokens": int(ids_all.shape[1]),
         "protocol": {"prefix": args.prefix, "score": args.score, "chunk": args.chunk or "flush block",
                      "shared_prefill": not args.no_shared_prefill, "attn": args.attn or model.config._attn_implementation,
-                     "window_tokens": length, "windows": windows, "tuning": args.tuning, "backend": args.backend},
+                     "window_tokens": length, "windows": windows, "tuning": args.tuning, "backend": args.backend,
+                     "seeds": args.seeds},
         "configs": [c.describe() for c in configs], "fp_label": fp_label, "runs": [],
     }
     if args.resume and out.exists():
@@ -220,6 +267,19 @@ def main(argv: list[str] | None = None) -> int:
         data["runs"] = [r for r in old.get("runs", []) if r["label"] in labels and r["window"] in windows]
     done = {(r["label"], r["window"]) for r in data["runs"]}
     bar = tqdm(total=len(windows) * len(configs), desc="ppl", disable=args.quiet, initial=len(done))
+
+    def record(run: dict[str, Any], w: int) -> None:
+        run["window"] = w
+        data["runs"].append(run)
+        data["summary"] = summarize(data["runs"], configs, fp_label)
+        data["groups"] = summarize_groups(data["summary"])
+        _write_json(out, data)
+        bar.update(1)
+        if not args.quiet:
+            kl = "" if run.get("kl") is None else f"  KL {1e3 * run['kl'] / run['tokens']:.2f}e-3"
+            tqdm.write(f"window {w} {run['label']:32s} ppl {run['ppl']:.3f}{kl}  bits/elt "
+                       f"{run['bits_per_element']:.2f}  {run['tok_s']:.1f} tok/s")
+
     for w in windows:
         ids = ids_all[:, w * length:(w + 1) * length]
         todo = [c for c in configs if (c.label, w) not in done]
@@ -235,27 +295,34 @@ def main(argv: list[str] | None = None) -> int:
             with torch.no_grad():
                 model(ids[:, :args.prefix], cache=shared, use_cache=True)
             data.setdefault("prefill_seconds", {})[str(w)] = round(time.perf_counter() - t0, 2)
+        reference = None
+        if fp_cfg is not None:  # rerun on --resume when only later configurations are missing
+            bar.set_postfix_str(f"window {w}: {fp_label}")
+            run, reference = score_window(model, ids, fp_cfg, args.prefix, args.score, backend=args.backend,
+                                          shared=shared, chunk=args.chunk, keep_logprobs=True)
+            if fp_cfg in todo:
+                record(run, w)
         for c in todo:
+            if c is fp_cfg:
+                continue
             bar.set_postfix_str(f"window {w}: {c.label}")
-            run = score_window(model, ids, c, args.prefix, args.score, backend=args.backend, shared=shared, chunk=args.chunk)
-            run["window"] = w
-            data["runs"].append(run)
-            data["summary"] = summarize(data["runs"], configs, fp_label)
-            _write_json(out, data)
-            bar.update(1)
-            if not args.quiet:
-                tqdm.write(f"window {w} {c.label:32s} ppl {run['ppl']:.3f}  bits/elt {run['bits_per_element']:.2f}  "
-                           f"{run['tok_s']:.1f} tok/s")
+            run, _ = score_window(model, ids, c, args.prefix, args.score, backend=args.backend, shared=shared,
+                                  chunk=args.chunk, reference=reference)
+            record(run, w)
     bar.close()
     data["summary"] = summarize(data["runs"], configs, fp_label)
+    data["groups"] = summarize_groups(data["summary"])
     _write_json(out, data)
     if not args.no_report:
         from kvq_core.eval.report import write_ppl_report
 
         write_ppl_report(data, out)
-    from kvq_core.eval.report import format_ppl_table
+    from kvq_core.eval.report import format_group_table, format_ppl_table
 
     print(format_ppl_table(data["summary"]))
+    if data["groups"]:
+        print()
+        print(format_group_table(data["groups"]))
     return 0
 
 

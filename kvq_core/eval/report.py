@@ -25,15 +25,30 @@ def _mib(n: Any) -> str:
 
 
 def format_ppl_table(rows: list[dict[str, Any]]) -> str:
-    head = "| method | bits | bits/elt (incl. window) | PPL | Δ vs fp | tokens/s | cache MiB | DynamicCache MiB |\n"
-    head += "|---|---|---|---|---|---|---|---|\n"
+    head = ("| method | bits | bits/elt (incl. window) | PPL | Δ vs fp | KL vs fp (10⁻³ nats/token) | tokens/s | "
+            "cache MiB | DynamicCache MiB |\n|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
-        delta = r.get("delta_pct")
+        delta, kl = r.get("delta_pct"), r.get("kl")
         lines.append(
             f"| {r['label']} | {r['bits']} | {_fmt(r['bits_per_element'])} | {_fmt(r['ppl'], '.3f')} | "
-            f"{'-' if delta is None else f'{delta:+.1f}%'} | {_fmt(r['tok_s'], '.1f')} | {_mib(r['cache_bytes'])} | "
-            f"{_mib(r['dynamic_bytes'])} |"
+            f"{'-' if delta is None else f'{delta:+.1f}%'} | {'-' if kl is None else f'{1e3 * kl:.2f}'} | "
+            f"{_fmt(r['tok_s'], '.1f')} | {_mib(r['cache_bytes'])} | {_mib(r['dynamic_bytes'])} |"
+        )
+    return head + "\n".join(lines)
+
+
+def format_group_table(groups: list[dict[str, Any]]) -> str:
+    """One row per seed group: Δ vs fp as mean ± sd over rotation seeds, its range, and mean KL."""
+    head = ("| configuration | bits | bits/elt | seeds | Δ vs fp, mean ± sd | Δ per seed | KL mean (10⁻³ nats/token) |\n"
+            "|---|---|---|---|---|---|---|\n")
+    lines = []
+    for g in groups:
+        kl = g.get("kl_mean")
+        lines.append(
+            f"| {g['group']} | {g['bits']} | {_fmt(g['bits_per_element'])} | {g['seeds']} | "
+            f"{g['delta_mean']:+.2f}% ± {_fmt(g['delta_sd'])} | {' / '.join(f'{d:+.2f}' for d in g['deltas'])} | "
+            f"{'-' if kl is None else f'{1e3 * kl:.2f}'} |"
         )
     return head + "\n".join(lines)
 
@@ -93,7 +108,14 @@ def write_ppl_report(data: dict[str, Any], out_json: Path) -> None:
           "padding) plus the window (and any full-precision layer) at 16 bits. cache MiB: bytes held after the last "
           "chunk (packed blocks + exact window in the model dtype), not counting kvq's decoded-history copy used by "
           "dequant-mode attention. tokens/s: scored tokens over scoring time on a shared 2-core CPU (indicative).",
+          "", "KL vs fp: mean over scored tokens of KL(fp next-token distribution || this cache's), on the same "
+          "windows; it is never negative and varies far less between runs than Δ PPL.",
           "", f"![ppl]({out_json.with_suffix('.png').name})", ""]
+    if data.get("groups"):
+        md[-2:-2] = ["## Across rotation seeds", "",
+                     f"Each configuration run once per rotation seed ({proto.get('seeds')}); Δ vs fp pooled over "
+                     "the windows for each seed, then mean ± sd over seeds.", "",
+                     format_group_table(data["groups"]), ""]
     out_json.with_suffix(".md").write_text("\n".join(md))
     if rows:
         plot_ppl(rows, out_json.with_suffix(".png"), title)
