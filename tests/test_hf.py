@@ -409,3 +409,22 @@ def test_niah_multikey_prompt(form):
         assert abs(at - depth) < 0.1, (depth, at)
     with pytest.raises(ValueError, match="needle form"):
         builder.build("multikey", 600, 0.5, random.Random(0), 3, 100, "triple")
+
+
+def test_niah_comparison_with_fp():
+    from kvq_core.eval.report import mcnemar_p, niah_vs_fp
+
+    assert mcnemar_p(0, 0) == 1.0 and mcnemar_p(2, 0) == 0.5 and mcnemar_p(5, 0) == pytest.approx(0.0625)
+    assert mcnemar_p(3, 1) == mcnemar_p(1, 3) == pytest.approx(0.625)
+    runs = []
+    for trial, (fp_ok, q_ok, q_reply) in enumerate([(True, True, " 12345."), (True, False, " 99999"),
+                                                    (False, True, " 12345"), (False, False, " 11111")]):
+        runs.append({"label": "fp", "task": "passkey", "context": 1024, "depth": 0.5, "trial": trial,
+                     "correct": fp_ok, "reply": " 12345" if fp_ok else " 11111"})
+        runs.append({"label": "q", "task": "passkey", "context": 1024, "depth": 0.5, "trial": trial,
+                     "correct": q_ok, "reply": q_reply})
+    data = {"configs": [{"label": "fp"}, {"label": "q"}], "protocol": {"tasks": ["passkey", "multikey"]}, "runs": runs}
+    (row,) = niah_vs_fp(data)
+    assert (row["n"], row["lost"], row["gained"], row["recall"], row["fp_recall"]) == (4, 1, 1, 0.5, 0.5)
+    assert row["same_answer"] == 0.5 and row["p"] == 1.0
+

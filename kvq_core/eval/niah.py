@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvq_core.eval.args import add_common_args
 from kvq_core.eval.caches import build_cache, parse_config, populate
 from kvq_core.eval.ppl import BEST, _write_json
 
@@ -144,14 +145,9 @@ def run_cell(model: Any, tok: Any, prefix: list[int], question: list[int], cfg: 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq eval niah", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("--model", help="a .gguf file, a checkpoint directory or a hub name (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--text-file", help="haystack text for --haystack wikitext (default: shared/data/wikitext2-test.txt)")
-    p.add_argument("--dataset", help="a datasets name[:config[:split]] instead of a file (needs a network)")
+    add_common_args(p, methods=list(DEFAULT_METHODS), text_help="haystack text for --haystack wikitext", out=DEFAULT_OUT)
     p.add_argument("--haystack", choices=("wikitext", "filler"), default="wikitext",
                    help="haystack: the text file (default) or the classic repeated filler")
-    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="CFG",
-                   help="cache configurations METHOD[:k=v,...]; 'fp' is DynamicCache")
-    p.add_argument("--backend", default="auto")
     p.add_argument("--tasks", nargs="+", default=["passkey", "multikey"], choices=("passkey", "multikey"))
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 2048, 4096])
     p.add_argument("--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
@@ -159,15 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", type=int, default=3, help="needles in a multikey prompt (default 3)")
     p.add_argument("--multikey-form", choices=MULTIKEY_FORMS, default="repeat",
                    help="multikey needle: stated twice like the passkey (default) or one sentence")
-    p.add_argument("--answer-tokens", type=int, default=8)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--no-shared-prefill", action="store_true")
-    p.add_argument("--attn", default=None, help="attention implementation, e.g. 'kvq' to attend from codes")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=DEFAULT_OUT)
-    p.add_argument("--resume", action="store_true", help="keep runs already in --out and skip them")
-    p.add_argument("--no-report", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--answer-tokens", type=int, default=8, help="greedy answer tokens (default 8)")
+    p.add_argument("--seed", type=int, default=1234, help="prompt seed (default 1234)")
     return p
 
 

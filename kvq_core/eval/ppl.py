@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvq_core.eval.args import add_common_args
 from kvq_core.eval.caches import CacheConfig, build_cache, expand_seeds, parse_config, populate, steady_bits, stored
 
 # the best configuration found at <= 3.2 true bits per element (tuned on windows 0-2, see docs/eval.md):
@@ -207,12 +208,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq eval ppl", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("--model", help="a .gguf file, a checkpoint directory or a hub name (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--text-file", help="text to score (default: shared/data/wikitext2-test.txt)")
-    p.add_argument("--dataset", help="a datasets name[:config[:split]] instead of a file (needs a network)")
-    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="CFG",
-                   help="cache configurations METHOD[:k=v,...] (see kvq_core.eval.caches); 'fp' is DynamicCache")
-    p.add_argument("--backend", default="auto", help="kvq backend for kvq methods (default auto)")
+    add_common_args(p, methods=list(DEFAULT_METHODS), text_help="text to score", out=DEFAULT_OUT)
     p.add_argument("--prefix", type=int, default=1536, help="tokens prefilled through the cache (default 1536)")
     p.add_argument("--score", type=int, default=512, help="tokens scored after the prefix (default 512)")
     p.add_argument("--chunk", type=int, default=None, help="teacher-forced chunk size (default: each cache's flush block)")
@@ -222,13 +218,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every kvq configuration with a rotation seed once per seed (label@seedS) and report "
                         "the mean and spread over seeds")
     p.add_argument("--tuning", action="store_true", help="run on the tuning windows (the first --windows) instead")
-    p.add_argument("--no-shared-prefill", action="store_true", help="run the prefix forward once per configuration")
-    p.add_argument("--attn", default=None, help="attention implementation, e.g. 'kvq' to attend from codes")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT}); .md/.png written beside it")
-    p.add_argument("--resume", action="store_true", help="keep runs already in --out and skip them")
-    p.add_argument("--no-report", action="store_true", help="skip the Markdown/PNG report")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 

@@ -66,27 +66,49 @@ def _family(label: str) -> str:
     return label.split("[")[0].rsplit("-", 1)[0] if "[" not in label.split("-")[0] else label.split("[")[0]
 
 
-def plot_ppl(rows: list[dict[str, Any]], png: Path, title: str) -> None:
-    """ΔPPL (%) against true bits per element, one point per configuration."""
+def plot_ppl(rows: list[dict[str, Any]], png: Path, title: str, groups: list[dict[str, Any]] | None = None) -> None:
+    """ΔPPL (%) and KL vs fp against true bits per element, one point per configuration.
+
+    Configurations run over several rotation seeds (``groups``) are drawn once, at the seed
+    mean, with a bar spanning the seeds' range."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    families = sorted({_family(r["label"]) for r in rows})
-    colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(families)}
-    seen = set()
+    grouped = {g["group"]: g for g in groups or []}
+    points = []  # (label, bits, delta, delta_lo, delta_hi, kl, kl_lo, kl_hi)
     for r in rows:
-        if r.get("delta_pct") is None or r["label"] == "fp":
+        if r.get("delta_pct") is None or r["label"] == "fp" or r.get("group") in grouped:
             continue
-        x, y, fam = r["bits_per_element"], max(r["delta_pct"], 0.05), _family(r["label"])
-        ax.scatter([x], [y], s=30, color=colors[fam], label=None if fam in seen else fam)
-        seen.add(fam)
-        ax.annotate(r["label"], (x, y), fontsize=6.5, xytext=(3, 3), textcoords="offset points")
-    ax.axvline(3.2, color="grey", linestyle="--", linewidth=0.8)
-    ax.legend(fontsize=7, loc="upper right")
-    ax.set_yscale("log")
-    ax.set_xlabel("true bits per element (codes + metadata + exact window at 16 bits)")
-    ax.set_ylabel("PPL increase vs fp (%) [log]")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
+        points.append((r["label"], r["bits_per_element"], r["delta_pct"], None, None, r.get("kl"), None, None))
+    for name, g in grouped.items():
+        kls = [r["kl"] for r in rows if r.get("group") == name and r.get("kl") is not None]
+        points.append((f"{name} ({g['seeds']} seeds)", g["bits_per_element"], g["delta_mean"], g["delta_min"],
+                       g["delta_max"], g.get("kl_mean"), min(kls) if kls else None, max(kls) if kls else None))
+    with_kl = any(p[5] is not None for p in points)
+    fig, axes = plt.subplots(1, 2 if with_kl else 1, figsize=(13 if with_kl else 8, 5.5), squeeze=False)
+    families = sorted({_family(p[0]) for p in points})
+    colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(families)}
+    panels = [(axes[0][0], 2, "PPL increase vs fp (%) [log]", 0.05)]
+    if with_kl:
+        panels.append((axes[0][1], 5, "KL(fp || cache), 10⁻³ nats per token [log]", 1e-3))
+    for ax, at, ylabel, floor in panels:
+        seen = set()
+        for p in points:
+            if p[at] is None:
+                continue
+            scale = 1e3 if at == 5 else 1.0
+            y, fam = max(scale * p[at], floor), _family(p[0])
+            ax.scatter([p[1]], [y], s=30, color=colors[fam], label=None if fam in seen else fam)
+            if p[at + 1] is not None:
+                lo, hi = max(scale * p[at + 1], floor), max(scale * p[at + 2], floor)
+                ax.vlines(p[1], lo, hi, color=colors[fam], linewidth=1.2)
+            seen.add(fam)
+            ax.annotate(p[0], (p[1], y), fontsize=6.5, xytext=(3, 3), textcoords="offset points")
+        ax.axvline(3.2, color="grey", linestyle="--", linewidth=0.8)
+        ax.legend(fontsize=7, loc="upper right")
+        ax.set_yscale("log")
+        ax.set_xlabel("true bits per element (codes + metadata + exact window at 16 bits)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title + (" — bars: range over rotation seeds" if grouped else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
@@ -118,7 +140,7 @@ def write_ppl_report(data: dict[str, Any], out_json: Path) -> None:
                      format_group_table(data["groups"]), ""]
     out_json.with_suffix(".md").write_text("\n".join(md))
     if rows:
-        plot_ppl(rows, out_json.with_suffix(".png"), title)
+        plot_ppl(rows, out_json.with_suffix(".png"), title, data.get("groups"))
     write_summary(out_json.parent)
 
 
@@ -147,6 +169,54 @@ def format_niah_table(data: dict[str, Any]) -> str:
         lines.append(f"| {cfg['label']} | {cfg['bits']} | " + " | ".join(_fmt(v) for v in vals)
                      + f" | {_fmt(recall(data, cfg['label']))} |")
     return head + "\n".join(lines)
+
+
+def _first_number(text: str) -> str | None:
+    import re
+
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+def mcnemar_p(lost: int, gained: int) -> float:
+    """Exact two-sided McNemar (sign) test on the discordant prompts: P(a split this uneven | no effect)."""
+    n = lost + gained
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def niah_vs_fp(data: dict[str, Any], fp_label: str = "fp") -> list[dict[str, Any]]:
+    """Prompt-by-prompt comparison with the fp cache, per configuration and task, over every prompt both ran:
+    recall of each, prompts lost (fp right, this wrong) and gained, same first number as fp, McNemar p."""
+    key = ("task", "context", "depth", "trial")
+    fp = {tuple(r[k] for k in key): r for r in data["runs"] if r["label"] == fp_label}
+    rows = []
+    for cfg in data["configs"]:
+        if cfg["label"] == fp_label:
+            continue
+        for task in data["protocol"]["tasks"]:
+            pairs = [(fp[k], r) for r in data["runs"] if r["label"] == cfg["label"] and r["task"] == task
+                     and (k := tuple(r[x] for x in key)) in fp]
+            if not pairs:
+                continue
+            lost = sum(a["correct"] and not b["correct"] for a, b in pairs)
+            gained = sum(b["correct"] and not a["correct"] for a, b in pairs)
+            rows.append({"label": cfg["label"], "task": task, "n": len(pairs),
+                         "fp_recall": sum(a["correct"] for a, _ in pairs) / len(pairs),
+                         "recall": sum(b["correct"] for _, b in pairs) / len(pairs), "lost": lost, "gained": gained,
+                         "same_answer": sum(_first_number(a["reply"]) == _first_number(b["reply"]) for a, b in pairs)
+                         / len(pairs), "p": mcnemar_p(lost, gained)})
+    return rows
+
+
+def format_niah_vs_fp(rows: list[dict[str, Any]]) -> str:
+    head = ("| method | task | prompts | recall (fp) | lost / gained vs fp | same answer as fp | McNemar p |\n"
+            "|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(
+        f"| {r['label']} | {r['task']} | {r['n']} | {r['recall']:.2f} ({r['fp_recall']:.2f}) | {r['lost']} / {r['gained']} | "
+        f"{r['same_answer']:.2f} | {r['p']:.2f} |" for r in rows)
 
 
 def plot_niah(data: dict[str, Any], png: Path) -> None:
@@ -197,8 +267,13 @@ def write_niah_report(data: dict[str, Any], out_json: Path) -> None:
           f"{proto['trials']} trial(s) per cell, haystack `{Path(str(proto['haystack'])).name}`. The context (instructions + haystack "
           "with needles) is prefilled through the cache; the question is then fed as a chunk attending to the cache "
           f"and the answer decoded greedily ({proto['answer_tokens']} tokens). A cell is correct when the first "
-          "number in the answer is the needle's.", "", format_niah_table(data), "",
-          f"![niah]({out_json.with_suffix('.png').name})", ""]
+          "number in the answer is the needle's.", "", format_niah_table(data), ""]
+    vs = niah_vs_fp(data)
+    if vs:
+        md += ["Against the fp cache, prompt by prompt (lost: fp answers and this cache does not; gained: the reverse; "
+               "McNemar p: exact two-sided test of lost vs gained — a small p means the difference is not chance):",
+               "", format_niah_vs_fp(vs), ""]
+    md += [f"![niah]({out_json.with_suffix('.png').name})", ""]
     out_json.with_suffix(".md").write_text("\n".join(md))
     plot_niah(data, out_json.with_suffix(".png"))
     write_summary(out_json.parent)
