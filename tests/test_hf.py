@@ -428,3 +428,39 @@ def test_niah_comparison_with_fp():
     assert (row["n"], row["lost"], row["gained"], row["recall"], row["fp_recall"]) == (4, 1, 1, 0.5, 0.5)
     assert row["same_answer"] == 0.5 and row["p"] == 1.0
 
+
+
+def test_eval_reports_are_written(tmp_path):
+    import json
+
+    pytest.importorskip("matplotlib")
+    from kvq_core.eval.caches import expand_seeds, parse_config
+    from kvq_core.eval.ppl import summarize, summarize_groups
+    from kvq_core.eval.report import write_niah_report, write_ppl_report
+
+    cfgs = expand_seeds([parse_config("fp"), parse_config("octopus:bits=3")], [0, 1])
+    runs = [{"label": c.label, "window": 8, "nll": 100.0 + i, "tokens": 50, "kl": None if i == 0 else 0.5 * i,
+             "bits_per_element": 16.0 if i == 0 else 4.2, "score_s": 1.0, "cache_bytes": 10, "dynamic_bytes": 20}
+            for i, c in enumerate(cfgs)]
+    ppl = {"kind": "ppl", "model": {"name": "tiny"}, "text": "t.txt", "text_tokens": 1000,
+           "protocol": {"prefix": 32, "score": 50, "chunk": "flush block", "attn": "sdpa", "windows": [8],
+                        "tuning": False, "backend": "auto", "seeds": [0, 1]}, "runs": runs,
+           "summary": summarize(runs, cfgs, "fp")}
+    ppl["groups"] = summarize_groups(ppl["summary"])
+    for name, data in (("eval_ppl.json", ppl), ("eval_ppl_seeds.json", ppl)):
+        (tmp_path / name).write_text(json.dumps(data))
+        write_ppl_report(data, tmp_path / name)
+    md = (tmp_path / "eval_ppl_seeds.md").read_text()
+    assert "octopus-3@seed1" in md and "## Across rotation seeds" in md and "| octopus-3 | 3 | 4.20 | 2 |" in md
+    assert (tmp_path / "eval_ppl_seeds.png").stat().st_size > 10_000
+    niah_runs = [{"label": lab, "task": "passkey", "context": 1024, "depth": d, "trial": 0, "answer": "12345",
+                  "reply": " 12345" if ok else " 1", "correct": ok, "seconds": 0.1}
+                 for lab, d, ok in [("fp", 0.0, True), ("fp", 1.0, True), ("octopus-3", 0.0, True), ("octopus-3", 1.0, False)]]
+    niah = {"kind": "niah", "model": {"name": "tiny"}, "configs": [{"label": "fp", "bits": 16}, {"label": "octopus-3", "bits": 3}],
+            "protocol": {"tasks": ["passkey"], "contexts": [1024], "depths": [0.0, 1.0], "trials": 1, "haystack": "t.txt",
+                         "answer_tokens": 8}, "runs": niah_runs}
+    (tmp_path / "eval_niah.json").write_text(json.dumps(niah))
+    write_niah_report(niah, tmp_path / "eval_niah.json")
+    assert "| octopus-3 | passkey | 2 | 0.50 (1.00) | 1 / 0 | 0.50 | 1.00 |" in (tmp_path / "eval_niah.md").read_text()
+    summary = (tmp_path / "eval_summary.md").read_text()
+    assert "Rotation codecs over sign seeds [0, 1]" in summary and "| octopus-3 | 3 | 4.20 | 2 |" in summary

@@ -281,10 +281,11 @@ def write_niah_report(data: dict[str, Any], out_json: Path) -> None:
 
 # -- combined summary -------------------------------------------------------------------------
 def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str = "eval_niah.json",
-                  niah_2k_name: str = "eval_niah_2k.json") -> Path:
+                  niah_2k_name: str = "eval_niah_2k.json", seeds_name: str = "eval_ppl_seeds.json") -> Path:
     """Join PPL and NIAH results per configuration label into ``eval_summary.md``.
 
-    The per-task recall columns at 2k come from ``eval_niah_2k.json`` (more trials) when present.
+    The per-task recall columns at 2k come from ``eval_niah_2k.json`` (more trials) when present;
+    the seed study (``eval_ppl_seeds.json``), when present, is appended as its own table.
     """
     folder = Path(folder)
     ppl = json.loads((folder / ppl_name).read_text()) if (folder / ppl_name).exists() else None
@@ -324,7 +325,13 @@ def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str 
         md.append(f"NIAH: {niah['protocol']['tasks']} at contexts {niah['protocol']['contexts']}, depths "
                   f"{niah['protocol']['depths']}; the per-task recall columns are at {ctx2k} tokens (n prompts per "
                   "task), 'recall (all)' over every context, depth and task of the main NIAH run.")
-    md += ["", *lines, "", "Details: [perplexity](eval_ppl.md), [needle in a haystack](eval_niah.md)"
+    md += ["", *lines, ""]
+    seeds = json.loads((folder / seeds_name).read_text()) if (folder / seeds_name).exists() else None
+    if seeds and seeds.get("groups"):
+        md += ["Rotation codecs over sign seeds " + str(seeds["protocol"].get("seeds")) + " on the same windows "
+               "(Δ vs fp as mean ± sd over seeds; KL vs fp in 10⁻³ nats per token; "
+               f"[details]({Path(seeds_name).with_suffix('.md').name})):", "", format_group_table(seeds["groups"]), ""]
+    md += ["Details: [perplexity](eval_ppl.md), [needle in a haystack](eval_niah.md)"
            + (", [needle at 2k, more trials](eval_niah_2k.md)" if niah2k else "")
            + "; protocol and findings in [docs/eval.md](../../docs/eval.md).", ""]
     path = folder / SUMMARY_MD
