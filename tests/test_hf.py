@@ -464,3 +464,4 @@ def test_eval_reports_are_written(tmp_path):
     assert "| octopus-3 | passkey | 2 | 0.50 (1.00) | 1 / 0 | 0.50 | 1.00 |" in (tmp_path / "eval_niah.md").read_text()
     summary = (tmp_path / "eval_summary.md").read_text()
     assert "Rotation codecs over sign seeds [0, 1]" in summary and "| octopus-3 | 3 | 4.20 | 2 |" in summary
+    assert "| KL vs fp (10⁻³) |" in summary and "| octopus-3@seed0 | 3 | 4.20 | " in summary and "| +2.0% | 10.0 |" in summary

@@ -306,13 +306,14 @@ def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str 
             for t in niah["protocol"]["tasks"]:
                 row[f"recall_{t}"] = recall(src, cfg["label"], t, ctx2k)
     tasks = niah["protocol"]["tasks"] if niah else []
-    head = ["method", "bits", "true bits/elt", "PPL", "Δ vs fp"] + [f"{t} @{ctx2k} (n={n_at})" for t in tasks] + \
+    head = ["method", "bits", "true bits/elt", "PPL", "Δ vs fp", "KL vs fp (10⁻³)"] + \
+        [f"{t} @{ctx2k} (n={n_at})" for t in tasks] + \
         (["recall (all)"] if niah else []) + ["tokens/s", "cache MiB", "DynamicCache MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows.values():
         delta = r.get("delta_pct")
         cells = [r["label"], str(r.get("bits", "-")), _fmt(r.get("bits_per_element")), _fmt(r.get("ppl"), ".3f"),
-                 "-" if delta is None else f"{delta:+.1f}%"]
+                 "-" if delta is None else f"{delta:+.1f}%", "-" if r.get("kl") is None else f"{1e3 * r['kl']:.1f}"]
         cells += [_fmt(r.get(f"recall_{t}")) for t in tasks] + ([_fmt(r.get("recall_all"))] if niah else [])
         cells += [_fmt(r.get("tok_s"), ".1f"), _mib(r.get("cache_bytes")), _mib(r.get("dynamic_bytes"))]
         lines.append("| " + " | ".join(cells) + " |")
