@@ -11,7 +11,7 @@ from kvq_core.errors import BackendUnavailableError, InputError, SpecError
 from kvq_core.kernels import KernelContext
 from kvq_core.layout import PackedKV, bits_per_element
 from kvq_core.spec import MethodSpec
-from kvq_core.validate import check_kv, check_packed, check_query, dtype_name
+from kvq_core.validate import check_kv, check_packed, check_query, check_stored_finite, dtype_name
 
 
 @functools.lru_cache(maxsize=256)
@@ -89,6 +89,7 @@ class Quantizer:
         fields = encode(self.arrays.asarray(x), self._ctx(shape))
         packed = PackedKV(self.spec, kind, shape, fields, self.layer, dtype_name(x))  # type: ignore[arg-type]
         packed.validate()
+        check_stored_finite(packed, x, self.arrays, kind)
         return packed
 
     def _unpack(self, p: Any, kind: str, decode: Any) -> Any:

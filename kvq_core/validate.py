@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvq_core.errors import InputError, LayoutError
 from kvq_core.layout import PackedKV
 from kvq_core.registry import ArrayAdapter
@@ -43,6 +45,19 @@ def _check_float_finite(x: Any, arrays: ArrayAdapter, what: str) -> None:
         raise InputError(f"{what}: dtype {name} is not supported; expected one of {', '.join(_FLOAT_NAMES)}")
     if not arrays.all_finite(x):
         raise InputError(f"{what}: contains NaN or Inf; kvq rejects non-finite input rather than store garbage codes")
+
+
+def check_stored_finite(packed: PackedKV, x: Any, arrays: ArrayAdapter, what: str) -> None:
+    """Reject a freshly encoded block whose float fields overflowed (e.g. a float16 scale for
+    |x| > 65504): its codes would decode to Inf/NaN, so nothing is returned instead."""
+    for name, field in packed.layout.items():
+        if field.dtype in _FLOAT_NAMES and not arrays.all_finite(packed.fields[name]):
+            peak = float(np.abs(np.asarray(arrays.to_numpy(x), dtype=np.float64)).max())
+            raise InputError(
+                f"{what}: {packed.spec.method} stores {name!r} as {field.dtype}, which overflows for this input "
+                f"(largest |value| {peak:.4g}; float16 holds up to 65504); scale the input down, or use the "
+                "method's float32 storage option where it has one"
+            )
 
 
 def check_packed(p: Any, spec: MethodSpec, kind: str) -> PackedKV:

@@ -156,6 +156,22 @@ def test_length_bookkeeping_across_prefill_decode_and_flush(model):
     assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (9, 8, 1)
 
 
+def test_rejected_flush_leaves_the_layer_unchanged(model):
+    """A block that cannot be stored (float16 scales overflow) raises before any state changes."""
+    cache = KVQCache(model.config, "kivi", bits=2, group=4, residual=4)
+    layer = cache.layers[0]
+    kv = torch.randn(1, model.config.num_key_value_heads, 6, layer.key_spec.head_dim)
+    layer.update(kv, kv)
+    before = (layer.cumulative_length, layer.packed_length, layer.window_length, list(layer.block_tokens))
+    window = layer.keys.clone()
+    with pytest.raises(KVQError, match="stores 'scale' as float16, which overflows"):
+        layer.update(kv[:, :, :2] * 1e6, kv[:, :, :2])
+    assert (layer.cumulative_length, layer.packed_length, layer.window_length, list(layer.block_tokens)) == before
+    assert torch.equal(layer.keys, window)
+    layer.update(kv[:, :, :2], kv[:, :, :2])  # and it goes on as if the bad step never came
+    assert (layer.cumulative_length, layer.packed_length, layer.window_length) == (8, 8, 0)
+
+
 def test_default_residual_comes_from_the_spec(model):
     for method in ("oscar", "octopus", "fp16"):
         cache = KVQCache(model.config, method)

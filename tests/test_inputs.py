@@ -51,6 +51,17 @@ def test_non_finite_rejected(q, bad: float) -> None:
         q.encode_keys(k)
 
 
+def test_overflowing_storage_is_rejected_not_stored(q) -> None:
+    """Input past a stored float16 field's range raises, naming the field; otherwise it decodes finite."""
+    k = _kv() * 1e6
+    try:
+        packed = q.encode_keys(k)
+    except InputError as err:
+        assert "overflows for this input" in str(err) and "largest |value|" in str(err)
+        return
+    assert np.isfinite(q.decode_keys(packed)).all()
+
+
 def test_not_an_array(q) -> None:
     with pytest.raises(InputError, match="got list"):
         q.encode_keys([[1.0, 2.0]])

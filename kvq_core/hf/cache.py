@@ -153,8 +153,10 @@ class KVQLayer(DynamicLayer):
                 "codes, but the 'kvq' attention function never consumed it; load the model with "
                 "attn_implementation='kvq' (kvq_core.hf.register()) or build the cache with attention='dequant'"
             )
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        window_k = torch.cat([self.keys, key_states], dim=-2)
+        window_v = torch.cat([self.values, value_states], dim=-2)
+        block = self._encode_flush(window_k, window_v)  # first: rejected input leaves the layer unchanged
+        self.keys, self.values = window_k, window_v
         self.cumulative_length += key_states.shape[-2]
         if self.codes_mode:
             keys, values = self.keys.view(self.keys.shape), self.values.view(self.values.shape)
@@ -168,7 +170,8 @@ class KVQLayer(DynamicLayer):
         b, h, w, d = self.keys.shape
         self.last_attention_bits = 8.0 * self.packed_bytes + WINDOW_BITS * 2 * b * h * w * d
         self.last_attention_elements = 2 * b * h * self.cumulative_length * d
-        self._flush()
+        if block is not None:
+            self._commit(*block)
         return keys, values
 
     def mark_attended(self) -> None:
@@ -195,15 +198,19 @@ class KVQLayer(DynamicLayer):
     def window_length(self) -> int:
         return 0 if self.keys is None or self.keys.dim() != 4 else self.keys.shape[-2]
 
-    def _flush(self) -> None:
-        """Encode the window's whole multiples of ``residual`` tokens as one new block."""
-        n = self.window_length
-        r = self.residual
+    def _encode_flush(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[PackedKV, PackedKV, int] | None:
+        """The block to flush from window ``keys``/``values``: their whole multiples of
+        ``residual`` tokens, encoded (None when the window is not full). Changes nothing."""
+        n, r = keys.shape[-2], self.residual
         if n == 0 or n < max(r, 1):
-            return
+            return None
         m = n if r == 0 else (n // r) * r
-        k, v = self.keys[:, :, :m].contiguous(), self.values[:, :, :m].contiguous()
-        pk, pv = self.kq.encode_keys(k), self.vq.encode_values(v)  # type: ignore[union-attr]
+        pk = self.kq.encode_keys(keys[:, :, :m].contiguous())  # type: ignore[union-attr]
+        pv = self.vq.encode_values(values[:, :, :m].contiguous())  # type: ignore[union-attr]
+        return pk, pv, m
+
+    def _commit(self, pk: PackedKV, pv: PackedKV, m: int) -> None:
+        """Append an encoded block and drop its ``m`` tokens from the window."""
         self.blocks.append((pk, pv))
         self.block_tokens.append(m)
         self.packed_length += m

@@ -15,7 +15,8 @@ it checks, against the reference backend (``"numpy"`` unless told otherwise):
 5. **attend** - the backend's ``attend`` over the reference's packed block matches the
    reference's output and log-sum-exp within :func:`attend_tolerance`;
 6. **typed errors** - bad input (rank, head_dim, empty, integer dtype, NaN/Inf, wrong packed
-   kind, foreign spec, bad GQA ratio, bad scale) raises the documented :class:`KVQError` subclass.
+   kind, foreign spec, bad GQA ratio, bad scale) raises the documented :class:`KVQError` subclass;
+   input whose stored fields would overflow (|x| ~ 1e6 past float16) raises InputError or decodes finite.
 
 Tie rule (how "the pre-rounding value lies within the tie tolerance of a decision boundary" is
 decided, for every method alike, including normalising codecs where a global rescale changes
@@ -360,6 +361,12 @@ def check_errors(backend: str, method: str, *, to_backend: Callable[[np.ndarray]
     qnan = rng.standard_normal((1, 4, 1, head_dim)).astype(np.float32)
     qnan[0, 0, 0, 0] = np.nan
     expect(InputError, "a NaN query", lambda: q.attend(conv(qnan), pk, pv))
+    try:  # past float16 range: a stored field may overflow, which must raise rather than store Inf
+        huge = q.encode_keys(conv(good * 1e6))
+    except InputError:
+        return
+    if not np.isfinite(np.asarray(q.arrays.to_numpy(q.decode_keys(huge)), dtype=np.float64)).all():
+        raise ConformanceError(f"{backend}/{method}: keys of magnitude 1e6 encoded without error but decode to NaN/Inf")
 
 
 # ------------------------------------------------------------------------------------------------
