@@ -9,7 +9,7 @@ import numpy as np
 
 from kvq_core.kernels import KernelContext
 from kvq_core.layout import pack_codes, unpack_codes
-from kvq_core.math.octahedral import oct_decode, oct_encode
+from kvq_core.math.octahedral import oct_encode
 from kvq_core.methods.octopus import OctopusSpec
 from kvq_numpy.attention import softmax_attend
 from kvq_numpy.rotation import normalize_rotate, rotate_queries, unrotate, unrotate_output
@@ -35,9 +35,9 @@ def triplets(v: np.ndarray, n_triplets: int) -> np.ndarray:
 
 
 def _directions(i_xi: np.ndarray, i_eta: np.ndarray, consts: Consts) -> np.ndarray:
-    """Unit directions (..., 3) decoded from xi/eta codebook indices."""
-    xi_eta = np.stack((consts["xi_codebook"][i_xi], consts["eta_codebook"][i_eta]), axis=-1)
-    return oct_decode(xi_eta)
+    """Unit directions (..., 3) of xi/eta codebook indices: rows of the decoded-direction table
+    (``oct_decode`` of every centroid pair, see :meth:`OctopusSpec.constants`)."""
+    return consts["directions"][i_xi * consts["eta_codebook"].size + i_eta]
 
 
 def _direction_indices(t: np.ndarray, consts: Consts) -> tuple[np.ndarray, np.ndarray]:

@@ -29,7 +29,7 @@ NEIGHBOURS = [(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b
 
 
 # --------------------------------------------------------------------------------------------
-# octahedral map (kvq_core.math.octahedral in float32)
+# octahedral map, encoder side (kvq_core.math.octahedral.oct_encode in float32)
 # --------------------------------------------------------------------------------------------
 def _sgn(x: torch.Tensor) -> torch.Tensor:
     """Sign-not-zero: +1 where x >= 0 (including -0.0), else -1."""
@@ -54,16 +54,6 @@ def oct_encode(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xi, eta
 
 
-def oct_decode(xi: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
-    """Unit vectors ``[..., 3]`` of octahedral points (xi, eta), normalised as ``np.linalg.norm`` does."""
-    z = (1 - xi.abs()) - eta.abs()
-    lower = z < 0
-    x = torch.where(lower, _sgn(xi) * (1 - eta.abs()), xi)
-    y = torch.where(lower, _sgn(eta) * (1 - xi.abs()), eta)
-    p = torch.stack((x, y, z), dim=-1)
-    return p / sqrt_rn(sum3(p * p)).unsqueeze(-1)
-
-
 # --------------------------------------------------------------------------------------------
 # the codec
 # --------------------------------------------------------------------------------------------
@@ -75,45 +65,55 @@ def triplets(v: torch.Tensor, n_triplets: int) -> torch.Tensor:
     return v.reshape(*v.shape[:-1], n_triplets, 3)
 
 
-def directions(i_xi: torch.Tensor, i_eta: torch.Tensor, consts: Consts) -> torch.Tensor:
-    """Unit directions ``[..., 3]`` decoded from xi/eta codebook indices."""
-    return oct_decode(consts["xi_codebook"][i_xi], consts["eta_codebook"][i_eta])
+def lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for an index tensor of any shape, as ``index_select`` (on CPU several
+    times faster than advanced indexing)."""
+    return table.index_select(0, index.reshape(-1)).reshape(*index.shape, *table.shape[1:])
 
 
-def direction_indices(t: torch.Tensor, consts: Consts) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest-centroid xi/eta indices of each triplet's octahedral point (scale-invariant in t)."""
+def direction_index(t: torch.Tensor, consts: Consts) -> torch.Tensor:
+    """Nearest-centroid direction of each triplet as one index ``i_xi * K_eta + i_eta``, the row
+    of the decoded-direction table (scale-invariant in t)."""
     xi, eta = oct_encode(t)
-    return codebook_quantize(xi, consts["xi_thresholds"]), codebook_quantize(eta, consts["eta_thresholds"])
+    i_xi, i_eta = codebook_quantize(xi, consts["xi_thresholds"]), codebook_quantize(eta, consts["eta_thresholds"])
+    return i_xi * consts["eta_codebook"].shape[0] + i_eta
 
 
-def round_plain(t: torch.Tensor, consts: Consts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Independent nearest-centroid rounding of xi, eta and rho = ||t||."""
-    i_xi, i_eta = direction_indices(t, consts)
+def neighbour_table(k_xi: int, k_eta: int, device: torch.device) -> torch.Tensor:
+    """``[k_xi * k_eta, 9]``: for each direction index, those of its 3x3 index neighbourhood
+    (clamped to the codebooks, centre first: the reference's candidate order)."""
+    offsets = torch.tensor(NEIGHBOURS, device=device)
+    i_xi = torch.arange(k_xi, device=device).repeat_interleave(k_eta).unsqueeze(-1)
+    i_eta = torch.arange(k_eta, device=device).repeat(k_xi).unsqueeze(-1)
+    c_xi = torch.clamp(i_xi + offsets[:, 0], 0, k_xi - 1)
+    c_eta = torch.clamp(i_eta + offsets[:, 1], 0, k_eta - 1)
+    return c_xi * k_eta + c_eta
+
+
+def round_plain(t: torch.Tensor, consts: Consts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent nearest-centroid rounding of the direction and of rho = ||t||."""
     rho = sqrt_rn(sum3(t * t))
-    return i_xi, i_eta, codebook_quantize(rho, consts["rho_thresholds"])
+    return direction_index(t, consts), codebook_quantize(rho, consts["rho_thresholds"])
 
 
-def round_joint(t: torch.Tensor, consts: Consts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def round_joint(t: torch.Tensor, consts: Consts) -> tuple[torch.Tensor, torch.Tensor]:
     """Spec 1.8: the 3x3 index neighbour maximising s = <t, n_hat> (first maximum), then Q_rho(s)."""
-    i_xi, i_eta = direction_indices(t, consts)
-    offsets = torch.tensor(NEIGHBOURS, dtype=i_xi.dtype, device=t.device)
-    c_xi = torch.clamp(i_xi.unsqueeze(-1) + offsets[:, 0], 0, consts["xi_codebook"].shape[0] - 1)
-    c_eta = torch.clamp(i_eta.unsqueeze(-1) + offsets[:, 1], 0, consts["eta_codebook"].shape[0] - 1)
-    s = sum3(t.unsqueeze(-2) * directions(c_xi, c_eta, consts))  # [..., 9]
+    table = neighbour_table(consts["xi_codebook"].shape[0], consts["eta_codebook"].shape[0], t.device)
+    candidates = lookup(table, direction_index(t, consts))  # [..., 9]
+    s = sum3(t.unsqueeze(-2) * lookup(consts["directions"], candidates))  # [..., 9]
     best = torch.argmax(s, dim=-1, keepdim=True)
-    i_xi, i_eta, s = (a.gather(-1, best).squeeze(-1) for a in (c_xi, c_eta, s))
-    return i_xi, i_eta, codebook_quantize(torch.clamp(s, min=0.0), consts["rho_thresholds"])
+    direction, s = candidates.gather(-1, best).squeeze(-1), s.gather(-1, best).squeeze(-1)
+    return direction, codebook_quantize(torch.clamp(s, min=0.0), consts["rho_thresholds"])
 
 
-def join(spec: OctopusSpec, i_xi: torch.Tensor, i_eta: torch.Tensor, i_rho: torch.Tensor) -> torch.Tensor:
-    """One code per triplet: xi in the high bits, then eta, then rho."""
-    return (i_xi << (spec.eta_bits + spec.rho_bits)) | (i_eta << spec.rho_bits) | i_rho
+def join(spec: OctopusSpec, direction: torch.Tensor, i_rho: torch.Tensor) -> torch.Tensor:
+    """One code per triplet: xi in the high bits, then eta, then rho (direction = xi, eta bits)."""
+    return (direction << spec.rho_bits) | i_rho
 
 
-def split(spec: OctopusSpec, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`join`."""
-    eta_mask, rho_mask = (1 << spec.eta_bits) - 1, (1 << spec.rho_bits) - 1
-    return code >> (spec.eta_bits + spec.rho_bits), (code >> spec.rho_bits) & eta_mask, code & rho_mask
+def split(spec: OctopusSpec, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`join`: (direction index, rho index)."""
+    return code >> spec.rho_bits, code & ((1 << spec.rho_bits) - 1)
 
 
 def encode(x: torch.Tensor, spec: OctopusSpec, consts: Consts) -> Fields:
@@ -128,8 +128,8 @@ def encode(x: torch.Tensor, spec: OctopusSpec, consts: Consts) -> Fields:
 def decode_rotated(fields: Fields, spec: OctopusSpec, consts: Consts) -> torch.Tensor:
     """The decoded unit vectors in the rotated domain, R u_hat, [b, h, t, d] (gamma not applied)."""
     codes = unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets)
-    i_xi, i_eta, i_rho = split(spec, codes)
-    t_hat = consts["rho_codebook"][i_rho].unsqueeze(-1) * directions(i_xi, i_eta, consts)
+    direction, i_rho = split(spec, codes)
+    t_hat = lookup(consts["rho_codebook"], i_rho).unsqueeze(-1) * lookup(consts["directions"], direction)
     return t_hat.reshape(*t_hat.shape[:-2], -1)[..., : spec.head_dim]
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
 from kvq_core.math.codebooks import octahedral_codebook, triplet_norm_codebook
+from kvq_core.math.octahedral import oct_decode
 from kvq_core.math.signs import random_signs
 from kvq_core.spec import MethodSpec
 
@@ -88,7 +89,10 @@ class OctopusSpec(MethodSpec):
         return self.key_layout(batch, kv_heads, tokens)
 
     def constants(self, kv_heads: int, layer: int) -> dict[str, np.ndarray]:
-        """Signs (kv_heads, head_dim) and float32 centroids/thresholds for xi, eta and rho."""
+        """Signs (kv_heads, head_dim), float32 centroids/thresholds for xi, eta and rho, and
+        ``directions``: the decoded unit direction of every (xi, eta) centroid pair, row
+        ``i_xi * len(eta_codebook) + i_eta`` (float32, as the decoder computes it), so kernels
+        look a direction up instead of evaluating the octahedral map per candidate."""
         books = {
             "xi": octahedral_codebook(self.xi_bits),
             "eta": octahedral_codebook(self.eta_bits),
@@ -98,4 +102,6 @@ class OctopusSpec(MethodSpec):
         for part, book in books.items():
             consts[f"{part}_codebook"] = book.centroids.astype(np.float32)
             consts[f"{part}_thresholds"] = book.thresholds.astype(np.float32)
+        xi, eta = np.meshgrid(consts["xi_codebook"], consts["eta_codebook"], indexing="ij")
+        consts["directions"] = oct_decode(np.stack((xi, eta), axis=-1)).reshape(-1, 3)
         return consts
