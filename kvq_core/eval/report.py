@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvq_core.eval.stats import compare_groups
+
 SUMMARY_MD = "eval_summary.md"
 
 
@@ -51,6 +53,29 @@ def format_group_table(groups: list[dict[str, Any]]) -> str:
             f"{'-' if kl is None else f'{1e3 * kl:.2f}'} |"
         )
     return head + "\n".join(lines)
+
+
+def format_intervals(comparison: dict[str, list[dict[str, Any]]]) -> str:
+    """Cluster intervals per seed group and the paired comparisons of :func:`compare_groups`."""
+    def ci(r: dict[str, Any]) -> str:
+        return "-" if math.isnan(r["lo_pct"]) else f"{r['lo_pct']:+.2f} .. {r['hi_pct']:+.2f}"
+
+    lines = ["| configuration | bits | seeds | windows | Δ PPL vs fp, pooled | 95% interval (windows as clusters) |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {g['group']} | {g['bits']} | {g['seeds']} | {g['windows']} | {g['delta_pct']:+.2f}% | {ci(g)} |"
+              for g in comparison["groups"]]
+    if comparison["pairs"]:
+        def kl(p: dict[str, Any]) -> str:
+            if "kl_diff" not in p:
+                return "-"
+            bounds = "" if math.isnan(p["kl_lo"]) else f" ({1e3 * p['kl_lo']:+.2f} .. {1e3 * p['kl_hi']:+.2f})"
+            return f"{1e3 * p['kl_diff']:+.2f}{bounds}"
+
+        lines += ["", "| A | B | bits | windows | PPL of A relative to B | 95% interval | verdict | "
+                  "KL of A minus B, 10⁻³ nats/token (95%) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {p['a']} | {p['b']} | {p['bits']} | {p['windows']} | {p['ratio_pct']:+.2f}% | {ci(p)} | "
+                  f"{p['verdict']} | {kl(p)} |" for p in comparison["pairs"]]
+    return "\n".join(lines)
 
 
 def _plt():
@@ -138,6 +163,14 @@ def write_ppl_report(data: dict[str, Any], out_json: Path) -> None:
                      f"Each configuration run once per rotation seed ({proto.get('seeds')}); Δ vs fp pooled over "
                      "the windows for each seed, then mean ± sd over seeds.", "",
                      format_group_table(data["groups"]), ""]
+        comparison = compare_groups(data)
+        if comparison["groups"]:
+            md[-2:-2] = ["### Intervals over windows", "",
+                         "Each window's Δ NLL per token against fp, averaged over the seeds, then a 95% "
+                         "t-interval over windows (runs on one window share its prefix, so windows are the "
+                         "independent units). Pairs: groups at the same nominal bits compared window by "
+                         "window on the same seeds; the verdict needs the interval to exclude 0 (needs "
+                         "at least 4 windows).", "", format_intervals(comparison), ""]
     out_json.with_suffix(".md").write_text("\n".join(md))
     if rows:
         plot_ppl(rows, out_json.with_suffix(".png"), title, data.get("groups"))
