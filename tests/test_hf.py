@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_gguf import load_tiny_llama  # noqa: E402
 
 import kvq_core  # noqa: E402
-from kvq_core.errors import KVQError, SpecError  # noqa: E402
+from kvq_core.errors import InputError, KVQError, SpecError  # noqa: E402
 from kvq_core.hf import KVQCache, KVQLayer, dynamic_cache_nbytes, merge_attention, register  # noqa: E402
 
 from transformers import DynamicCache  # noqa: E402
@@ -170,6 +170,33 @@ def test_rejected_flush_leaves_the_layer_unchanged(model):
     assert torch.equal(layer.keys, window)
     layer.update(kv[:, :, :2], kv[:, :, :2])  # and it goes on as if the bad step never came
     assert (layer.cumulative_length, layer.packed_length, layer.window_length) == (8, 8, 0)
+
+
+def test_a_rejected_step_leaves_every_layer_unchanged(model):
+    """The last layer rejects its block: the layers before it, which had taken the step
+    (a full-precision layer and packed flushes), are put back; the next step runs as if the
+    rejected one never came."""
+    _attn(model, "sdpa")
+    cache, ref = (KVQCache(model.config, "oscar", bits=2, residual=8, fp_layers=(0,)) for _ in range(2))
+
+    def reject(k):
+        raise InputError("rejected for the test")
+
+    with torch.no_grad():
+        for c in (cache, ref):
+            model(_ids(13), cache=c)
+        last = cache.layers[-1]
+        last.kq.encode_keys = reject  # 5 window tokens + 3 new = 8: every layer flushes a block
+        with pytest.raises(KVQError, match="rejected for the test"):
+            model(_ids(3, seed=5), cache=cache)
+        del last.kq.encode_keys
+        for a, b in zip(cache.layers, ref.layers):
+            assert a.get_seq_length() == b.get_seq_length() == 13
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            assert getattr(a, "block_tokens", None) == getattr(b, "block_tokens", None)
+        got = model(_ids(3, seed=5), cache=cache).logits
+        want = model(_ids(3, seed=5), cache=ref).logits
+    assert torch.equal(got, want)
 
 
 def test_default_residual_comes_from_the_spec(model):

@@ -247,6 +247,18 @@ class KVQLayer(DynamicLayer):
         """Free the decoded-history copy (it is rebuilt on demand)."""
         self._dec, self._dec_blocks = None, 0
 
+    def snapshot(self) -> dict[str, Any]:
+        """The layer's state, to undo the next ``update`` with :meth:`restore`. Holds references
+        (updates rebind tensors, never write into them), not the decoded-history copy."""
+        state = {k: v for k, v in vars(self).items() if k not in ("_dec", "_dec_blocks")}
+        state["blocks"], state["block_tokens"] = list(self.blocks), list(self.block_tokens)
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Back to a :meth:`snapshot`; the decoded history is rebuilt on demand."""
+        vars(self).update(state)
+        self.drop_decoded()
+
     def window_bytes(self) -> int:
         if self.window_length == 0:
             return 0
@@ -430,9 +442,29 @@ class KVQCache(Cache):
                 )
             )
         super().__init__(layers=layers)
+        self._step: dict[int, dict[str, Any]] | None = None  # layer states at the start of this step
 
     def __repr__(self) -> str:
         return f"KVQCache(method={self.method!r}, backend={self.backend!r}, params={self.method_params}, layers={len(self.layers)})"
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``Cache.update``, with one step (the layer updates of one forward, layer 0 first)
+        all or nothing: when a layer rejects its input with a ``KVQError``, the layers already
+        updated in this step are put back before the error propagates."""
+        if layer_idx == 0 or self._step is None:
+            self._step = {}
+        self._step[layer_idx] = _snapshot(self.layers[layer_idx])
+        try:
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except KVQError:
+            for i, state in self._step.items():
+                _restore(self.layers[i], state)
+            self._step = None
+            raise
+        if layer_idx == len(self.layers) - 1:
+            self._step = None
+        return out
 
     @property
     def kvq_layers(self) -> list[KVQLayer]:
@@ -498,6 +530,32 @@ class KVQCache(Cache):
     def bits_per_element(self) -> float:
         """Stored bits per K/V element at the last attention step (exact tokens at 16 bits)."""
         return self.memory_report()["bits_per_element"]
+
+
+def _snapshot(layer: Any) -> dict[str, Any]:
+    """A layer's state before an update, for :func:`_restore`. transformers' layers rebind their
+    tensors on update, so attribute references suffice; a plain ``DynamicLayer`` (append-only)
+    keeps its history's length instead, so the step holds no second copy of it."""
+    if isinstance(layer, KVQLayer):
+        return layer.snapshot()
+    state = dict(vars(layer))
+    if type(layer) is DynamicLayer:
+        for name in ("keys", "values"):
+            if isinstance(state.get(name), torch.Tensor) and state[name].dim() == 4:
+                state[name] = state[name].shape[-2]
+    return state
+
+
+def _restore(layer: Any, state: dict[str, Any]) -> None:
+    """Undo the updates since :func:`_snapshot`."""
+    if isinstance(layer, KVQLayer):
+        layer.restore(state)
+        return
+    state = dict(state)
+    for name in ("keys", "values"):
+        if isinstance(state.get(name), int):
+            state[name] = getattr(layer, name)[:, :, : state[name]]
+    vars(layer).update(state)
 
 
 def dynamic_cache_nbytes(cache: Cache) -> int:
