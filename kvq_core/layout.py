@@ -195,3 +195,63 @@ def bits_per_element(*blocks: PackedKV) -> float:
     if not blocks:
         raise LayoutError("bits_per_element needs at least one packed block")
     return 8.0 * sum(b.nbytes() for b in blocks) / sum(b.num_elements for b in blocks)
+
+
+def token_separable(spec: "MethodSpec", kind: Kind) -> bool:
+    """True when ``kind``'s layout is per token: every field is ``(batch, kv_heads, tokens, ...)``
+    with nothing else depending on the token count, so blocks join and split along tokens exactly."""
+    make = spec.key_layout if kind == "keys" else spec.value_layout
+    one, many = dict(make(2, 3, 1)), dict(make(2, 3, 67))
+    if one.keys() != many.keys():
+        return False
+    for name, f in one.items():
+        g = many[name]
+        if len(f.shape) < 3 or f.shape[:3] != (2, 3, 1) or g.shape != (2, 3, 67, *f.shape[3:]):
+            return False
+    return True
+
+
+def _check_separable(p: PackedKV) -> None:
+    if not token_separable(p.spec, p.kind):
+        raise LayoutError(
+            f"{p.spec.method} {p.kind}: the layout shares statistics across tokens, so blocks cannot be "
+            "joined or split along tokens without re-quantization"
+        )
+
+
+def concat_tokens(parts: "list[PackedKV]", arrays: Any = None) -> PackedKV:
+    """Blocks of a per-token layout joined along tokens (codes copied, never re-quantized).
+
+    ``arrays`` is the backend's array adapter; one with ``concat(xs, axis)`` joins in place of a
+    NumPy round trip. Raises LayoutError when the blocks differ in spec, kind, layer, dtype or
+    batch/heads/head_dim, or the layout is not per token (:func:`token_separable`).
+    """
+    if not parts:
+        raise LayoutError("concat_tokens needs at least one packed block")
+    first = parts[0]
+    _check_separable(first)
+    for p in parts[1:]:
+        same = (p.spec, p.kind, p.layer, p.dtype) == (first.spec, first.kind, first.layer, first.dtype)
+        if not same or p.shape[:2] != first.shape[:2] or p.shape[3] != first.shape[3]:
+            raise LayoutError(
+                f"concat_tokens: block {p.spec.describe()} {p.kind} {list(p.shape)} does not match "
+                f"{first.spec.describe()} {first.kind} {list(first.shape)}"
+            )
+    join = getattr(arrays, "concat", None)
+    fields = {}
+    for name in first.fields:
+        xs = [p.fields[name] for p in parts]
+        fields[name] = join(xs, 2) if join else np.concatenate([_to_numpy(x) for x in xs], axis=2)
+    tokens = sum(p.shape[2] for p in parts)
+    out = dataclasses.replace(first, shape=(first.shape[0], first.shape[1], tokens, first.shape[3]), fields=fields)
+    out.validate()
+    return out
+
+
+def slice_tokens(p: PackedKV, start: int, stop: int) -> PackedKV:
+    """Tokens ``[start, stop)`` of a per-token block (a view where the backend allows)."""
+    _check_separable(p)
+    if not 0 <= start < stop <= p.shape[2]:
+        raise LayoutError(f"slice_tokens: [{start}, {stop}) is not a non-empty range of {p.shape[2]} tokens")
+    out = p.map_fields(lambda a: a[:, :, start:stop])
+    return dataclasses.replace(out, shape=(p.shape[0], p.shape[1], stop - start, p.shape[3]))

@@ -53,6 +53,9 @@ class ArrayAdapter(Protocol):
     def cast(self, x: Any, dtype: str) -> Any:
         """``x`` in the floating dtype named ``dtype`` (e.g. "float16", "bfloat16"), where it exists."""
 
+    # Optional: ``concat(xs, axis)`` joins backend arrays; without it the core joins packed
+    # blocks through NumPy (:func:`kvq_core.layout.concat_tokens`).
+
 
 @dataclasses.dataclass(frozen=True)
 class MethodInfo:

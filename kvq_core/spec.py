@@ -23,12 +23,17 @@ class MethodSpec:
     """Base of every method spec. Subclasses are frozen dataclasses with defaults for all fields.
 
     ``method`` names the method in the registry; ``default_residual`` is the number of recent
-    tokens a cache keeps in full precision by default (the method paper's protocol).
+    tokens a cache keeps in full precision by default, and ``default_flush`` how it packs older
+    ones (the method paper's protocol): "block" packs the window whole once it holds
+    ``residual`` tokens (token-group codecs: OScaR, KIVI); "sliding" packs each token as it
+    leaves the window, so every query sees exactly its ``residual`` most recent tokens exact
+    (per-token codecs under the OCTOPUS protocol, specs/octopus.md 1.11).
     """
 
     method: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     default_residual: ClassVar[int] = 0
+    default_flush: ClassVar[str] = "block"
 
     head_dim: int = 128
 

@@ -125,7 +125,11 @@ def test_generation_runs_with_every_method(models, method):
         assert out.shape == (1, 29)
         assert cache.get_seq_length() == 28  # the last generated token is never fed back
         layer = cache.layers[0]
-        assert isinstance(layer, KVQLayer) and layer.packed_length == 24 and layer.window_length == 4
+        assert isinstance(layer, KVQLayer)
+        # block flush: whole multiples of 8 packed; sliding: all but the last 7 (the spec decides)
+        packed = 24 if layer.flush == "block" else 21
+        assert (layer.packed_length, layer.window_length) == (packed, 28 - packed)
+        assert layer.flush == type(layer.key_spec).default_flush
         report = cache.memory_report()
         assert report["packed_bytes"] > 0 and math.isfinite(report["bits_per_element"])
         return
@@ -206,12 +210,12 @@ def test_default_residual_comes_from_the_spec(model):
         assert cache.layers[0].residual == spec_cls.default_residual
 
 
-def test_crop_window_and_whole_blocks_only(model):
+def test_crop_inside_a_block_only_for_per_token_layouts(model):
     _attn(model, "sdpa")
     ids = _ids(20, seed=11)
-    cache = KVQCache(model.config, "fp16", storage="float32", residual=8)
+    cache = KVQCache(model.config, "oscar", bits=4, residual=8)
     with torch.no_grad():
-        model(ids, cache=cache)  # 16 packed (one block) + 4 exact
+        model(ids, cache=cache)  # 16 packed (one block of token groups) + 4 exact
         cache.crop(-2)
         assert cache.get_seq_length() == 18 and cache.layers[0].window_length == 2
         with pytest.raises(KVQError, match="inside a packed block"):
@@ -219,14 +223,17 @@ def test_crop_window_and_whole_blocks_only(model):
         assert cache.get_seq_length() == 18  # a refused crop changes nothing
         cache.crop(-18)
         assert cache.get_seq_length() == 0
-        # cropping back to a block boundary then continuing equals a fresh cache
+        # a per-token layout keeps a block's leading tokens: cropping into the block, then
+        # continuing, equals a fresh cache of the kept prefix
         cache = KVQCache(model.config, "fp16", storage="float32", residual=8)
         model(ids, cache=cache)
-        cache.crop(-4)
+        cache.crop(-7)  # 4 from the window, 3 from the packed block
+        layer = cache.layers[0]
+        assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (13, 13, 0)
         ref = DynamicCache(config=model.config)
-        model(ids[:, :16], cache=ref)
-        a = model(ids[:, 16:19], cache=cache).logits
-        b = model(ids[:, 16:19], cache=ref).logits
+        model(ids[:, :13], cache=ref)
+        a = model(ids[:, 13:19], cache=cache).logits
+        b = model(ids[:, 13:19], cache=ref).logits
     assert torch.allclose(a, b, atol=1e-5)
 
 
@@ -284,17 +291,74 @@ def test_merge_attention_is_exact():
 def test_codes_attention_matches_dequant_attention(model, method, params):
     ids = _ids(50, seed=4)
     logits = {}
-    for attn in ("sdpa", "kvq"):
+    for attn, mode in (("sdpa", "dequant"), ("kvq", "codes"), ("kvq", "dequant")):
         _attn(model, attn)
-        cache = KVQCache(model.config, method, residual=16, **params)
+        cache = KVQCache(model.config, method, residual=16, attention=mode, **params)
         with torch.no_grad():
             outs = [model(ids[:, :35], cache=cache).logits, model(ids[:, 35:36], cache=cache).logits,
                     model(ids[:, 36:50], cache=cache).logits]
-        logits[attn] = torch.cat(outs, dim=1)
-        if attn == "kvq":
+        logits[attn, mode] = torch.cat(outs, dim=1)
+        if mode == "codes":
             assert cache.layers[0].codes_mode and cache.memory_report()["decoded_bytes"] == 0
     _attn(model, "sdpa")
-    assert torch.allclose(logits["kvq"], logits["sdpa"], atol=2e-4, rtol=1e-4)
+    assert torch.allclose(logits["kvq", "codes"], logits["kvq", "dequant"], atol=2e-4, rtol=1e-4)
+    assert torch.allclose(logits["kvq", "codes"], logits["sdpa", "dequant"], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method,params", [("octopus", {"bits": 3}), ("turboquant", {"bits": 2})])
+def test_sliding_chunks_equal_token_by_token_decoding(model, method, params):
+    """With chunks="decode" and the kvq attention function a chunked forward of a sliding-flush
+    cache gives every query exactly its `residual` most recent tokens exact, as decoding one
+    token at a time does; under sdpa a chunk sees more exact tokens, so its logits differ."""
+    ids = _ids(40, seed=6)
+    out = {}
+    for attn, mode, steps in (("sdpa", "dequant", [1] * 40), ("kvq", "dequant", [17, 1, 12, 10]),
+                              ("kvq", "codes", [17, 1, 12, 10]), ("sdpa", "dequant", [17, 1, 12, 10])):
+        _attn(model, attn)
+        cache = KVQCache(model.config, method, residual=6, attention=mode, chunks="decode", **params)
+        assert cache.layers[0].flush == "sliding" and cache.chunks == "decode"
+        pos, parts = 0, []
+        with torch.no_grad():
+            for n in steps:
+                parts.append(model(ids[:, pos:pos + n], cache=cache).logits)
+                pos += n
+        out[attn, mode, len(steps)] = torch.cat(parts, dim=1)
+        layer = cache.layers[0]
+        assert (layer.packed_length, layer.window_length) == (35, 5)
+        assert layer.block_tokens == sorted(layer.block_tokens, reverse=True)  # joined as they come
+    _attn(model, "sdpa")
+    decode = out["sdpa", "dequant", 40]
+    assert torch.allclose(out["kvq", "dequant", 4], decode, atol=2e-4, rtol=1e-4)
+    assert torch.allclose(out["kvq", "codes", 4], decode, atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(out["sdpa", "dequant", 4], decode, atol=1e-2)
+
+
+def test_flush_and_chunk_modes_are_checked(model):
+    with pytest.raises(InputError, match="flush='sliding' needs per-token layouts"):
+        KVQCache(model.config, "oscar", bits=2, flush="sliding")
+    with pytest.raises(InputError, match="flush='window'"):
+        KVQCache(model.config, "octopus", bits=2, flush="window")
+    cache = KVQCache(model.config, "octopus", bits=2)
+    with pytest.raises(InputError, match="chunks='fast'"):
+        cache.chunks = "fast"
+    assert cache.chunks == "exact" and cache.layers[0].flush == "sliding"
+    # OScaR's values are per token (its keys are not): OCTOPUS keys with them slide
+    mixed = KVQCache(model.config, "octopus", bits=2, value_method="oscar", value_params={"bits": 2})
+    assert mixed.layers[0].flush == "sliding"
+    assert KVQCache(model.config, "oscar", bits=2, value_method="octopus").layers[0].flush == "block"
+
+
+def test_sliding_decode_keeps_few_blocks(model):
+    _attn(model, "sdpa")
+    cache = KVQCache(model.config, "octopus", bits=2, residual=4)
+    with torch.no_grad():
+        model(_ids(50), cache=cache)
+        for step in range(40):
+            model(_ids(1, seed=step), cache=cache)
+    layer = cache.layers[0]
+    assert (layer.packed_length, layer.window_length) == (87, 3)
+    assert sum(layer.block_tokens) == 87 and len(layer.blocks) <= 1 + math.ceil(math.log2(40)) + 1
+    assert layer.decoded_history()[0].shape[-2] == 87
 
 
 def test_codes_attention_generation_equals_dynamic_cache(model):
@@ -387,6 +451,30 @@ def test_ppl_kl_against_the_fp_reference(model):
     fine, _ = score_window(model, ids, parse_config("oscar:bits=4,residual=8"), 32, 16, backend="auto",
                            shared=None, chunk=None, reference=ref)
     assert none is None and coarse["kl"] > fine["kl"] > 0
+
+
+def test_ppl_sliding_chunks_score_as_token_by_token_decoding(model):
+    """A sliding cache scored in chunks through the kvq attention function gives the NLL of
+    scoring it one token per step (what sdpa falls back to), and less exact context than a
+    plain chunked forward would give."""
+    from kvq_core.eval.caches import build_cache, parse_config
+    from kvq_core.eval.ppl import chunk_plan, score_window
+
+    ids = _ids(61, seed=9)
+    cfg = parse_config("octopus:bits=2,residual=6")
+    runs = {}
+    try:
+        for attn in ("kvq", "sdpa"):
+            _attn(model, attn)
+            runs[attn], _ = score_window(model, ids, cfg, 20, 40, backend="auto", shared=None, chunk=None)
+        assert chunk_plan(cfg, build_cache(cfg, model.config), 20, 40, None, decode_view=False) == [1] * 40
+        assert chunk_plan(cfg, build_cache(cfg, model.config), 20, 40, None) == [4, 6, 6, 6, 6, 6, 6]
+        _attn(model, "sdpa")
+        plain, _ = score_window(model, ids, cfg, 20, 40, backend="auto", shared=None, chunk=20)
+    finally:
+        _attn(model, "sdpa")
+    assert math.isclose(runs["kvq"]["nll"], runs["sdpa"]["nll"], rel_tol=1e-5)
+    assert not math.isclose(runs["kvq"]["nll"], plain["nll"], rel_tol=1e-3)
 
 
 def test_seed_expansion_and_group_summary():

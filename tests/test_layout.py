@@ -61,3 +61,40 @@ def test_packed_dict_round_trip_and_validation() -> None:
     bad["kind"] = "queries"
     with pytest.raises(LayoutError, match="kind"):
         PackedKV.from_dict(bad)
+
+
+def test_token_separable_follows_the_layouts() -> None:
+    from kvq_core.layout import token_separable
+
+    sep = {m: (token_separable(kvq_core.make_spec(m, head_dim=64), "keys"),
+               token_separable(kvq_core.make_spec(m, head_dim=64), "values"))
+           for m in ("octopus", "turboquant", "polarquant", "fp16", "quarot", "oscar", "kivi")}
+    assert sep["octopus"] == sep["turboquant"] == sep["polarquant"] == sep["fp16"] == sep["quarot"] == (True, True)
+    assert sep["oscar"] == (False, True)  # keys: per-channel stats over token groups, one norm per token row
+    assert sep["kivi"] == (False, True)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_concat_and_slice_tokens_move_codes_exactly(backend: str) -> None:
+    from kvq_core.layout import concat_tokens, slice_tokens
+
+    q = kvq_core.get_quantizer("octopus", backend=backend, bits=3, head_dim=64)
+    k = np.random.default_rng(3).standard_normal((2, 3, 9, 64)).astype(np.float32)
+    parts = [q.encode_keys(k[:, :, :4]), q.encode_keys(k[:, :, 4:5]), q.encode_keys(k[:, :, 5:])]
+    joined = concat_tokens(parts, q.arrays)
+    assert joined.shape == (2, 3, 9, 64) and joined.nbytes() == sum(p.nbytes() for p in parts)
+    np.testing.assert_array_equal(q.arrays.to_numpy(q.decode_keys(joined)),
+                                  np.concatenate([q.arrays.to_numpy(q.decode_keys(p)) for p in parts], axis=2))
+    assert np.array_equal(q.arrays.to_numpy(joined.fields["codes"]),
+                          q.arrays.to_numpy(concat_tokens(parts).fields["codes"]))  # the NumPy fallback
+    mid = slice_tokens(joined, 3, 6)
+    np.testing.assert_array_equal(q.arrays.to_numpy(q.decode_keys(mid)),
+                                  q.arrays.to_numpy(q.decode_keys(joined))[:, :, 3:6])
+    with pytest.raises(LayoutError, match="non-empty range"):
+        slice_tokens(joined, 5, 5)
+    other = kvq_core.get_quantizer("octopus", backend=backend, bits=2, head_dim=64)
+    with pytest.raises(LayoutError, match="does not match"):
+        concat_tokens([parts[0], other.encode_keys(k[:, :, :2])], q.arrays)
+    oscar = kvq_core.get_quantizer("oscar", backend=backend, bits=2, head_dim=64)
+    with pytest.raises(LayoutError, match="shares statistics across tokens"):
+        concat_tokens([oscar.encode_keys(k[:, :, :4]), oscar.encode_keys(k[:, :, 4:])])

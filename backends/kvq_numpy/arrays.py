@@ -27,3 +27,6 @@ class NumpyArrays:
             return np.asarray(x).astype(np.dtype(dtype), copy=False)
         except TypeError:  # e.g. "bfloat16": no NumPy dtype, keep float32
             return np.asarray(x, dtype=np.float32)
+
+    def concat(self, xs: list[Any], axis: int) -> np.ndarray:
+        return np.concatenate([self.asarray(x) for x in xs], axis=axis)

@@ -40,6 +40,9 @@ class TorchArrays:
             return bool(torch.isfinite(x).all())
         return bool(np.isfinite(np.asarray(x)).all())
 
+    def concat(self, xs: list[Any], axis: int) -> torch.Tensor:
+        return torch.cat([self.asarray(x) for x in xs], dim=axis)
+
     def cast(self, x: Any, dtype: str) -> Any:
         target = getattr(torch, dtype, None)
         if not isinstance(target, torch.dtype):

@@ -6,7 +6,7 @@ Kinds:
 - ``quanto`` / ``hqq``: transformers' own ``QuantizedCache`` with that backend
   (``nbits``, ``q_group_size``, ``residual_length``, ``axis_key``, ``axis_value``);
 - any kvq method name: :class:`kvq_core.hf.KVQCache` with the method's parameters plus the
-  cache options ``residual``, ``fp_layers``, ``fp_key_layers`` (``;``-separated layer lists),
+  cache options ``residual``, ``flush``, ``fp_layers``, ``fp_key_layers`` (``;``-separated layer lists),
   ``value_method`` and ``v.<param>`` (value codec parameters, e.g. ``v.bits=2``).
 
 Every kind takes ``label=`` to name the row. Examples::
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 HF_KINDS = ("quanto", "hqq")
-CACHE_OPTIONS = ("residual", "fp_layers", "fp_key_layers", "value_method")
+CACHE_OPTIONS = ("residual", "flush", "fp_layers", "fp_key_layers", "value_method")
 WINDOW_BITS = 16
 
 
@@ -148,8 +148,8 @@ def _default_label(head: str, kind: str, params: dict, options: dict, vparams: d
     return name + (f"[{','.join(map(str, extra))}]" if extra else "")
 
 
-def build_cache(cfg: CacheConfig, model_config: Any, backend: str = "auto") -> Any:
-    """A fresh cache object for ``cfg``."""
+def build_cache(cfg: CacheConfig, model_config: Any, backend: str = "auto", attention: str = "auto") -> Any:
+    """A fresh cache object for ``cfg``; ``attention`` is a kvq cache's attention mode."""
     from transformers import DynamicCache, QuantizedCache
 
     if cfg.kind == "fp":
@@ -158,7 +158,8 @@ def build_cache(cfg: CacheConfig, model_config: Any, backend: str = "auto") -> A
         return QuantizedCache(cfg.kind, model_config, **cfg.params)
     from kvq_core.hf import KVQCache
 
-    return KVQCache(model_config, cfg.method, backend, value_params=cfg.value_params or None, **cfg.options, **cfg.params)
+    return KVQCache(model_config, cfg.method, backend, value_params=cfg.value_params or None, attention=attention,
+                    **cfg.options, **cfg.params)
 
 
 def populate(cache: Any, source: Any) -> None:

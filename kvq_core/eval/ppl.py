@@ -11,6 +11,10 @@ Protocol (per window of ``prefix + score + 1`` tokens of the text):
 Chunks default to each cache's flush block (``residual`` for kvq, ``residual_length`` for
 transformers' QuantizedCache), aligned to block boundaries: a query then sees exactly what it
 would see decoding token by token (the tokens since the last flush exact, all else packed).
+Caches with a sliding flush (OCTOPUS, TurboQuant, PolarQuant: every decode query sees exactly
+its ``residual`` most recent tokens exact) score with ``chunks="decode"`` through the ``"kvq"``
+attention function, which gives each query of a chunk that same view (the model is loaded with
+it; without it they score one token per step).
 
 The prefix forward is shared: it is run once per window with a ``DynamicCache`` and its K/V are
 written into each configuration's cache with one ``update`` per layer, which is what a prefill
@@ -58,13 +62,18 @@ DEFAULT_METHODS = (
 DEFAULT_OUT = "bench/results/eval_ppl.json"
 
 
-def chunk_plan(cfg: CacheConfig, cache: Any, prefix: int, score: int, chunk: int | None) -> list[int]:
-    """Chunk sizes covering ``score`` tokens: fixed ``chunk``, or the cache's flush block, aligned."""
+def chunk_plan(cfg: CacheConfig, cache: Any, prefix: int, score: int, chunk: int | None,
+               decode_view: bool = True) -> list[int]:
+    """Chunk sizes covering ``score`` tokens: fixed ``chunk``, or the cache's flush block, aligned.
+    A sliding-flush cache without ``decode_view`` (the kvq attention function) gets single tokens."""
     if chunk is None:
         block = 128
         if cfg.kind == "kvq":
-            rs = [layer.residual for layer in getattr(cache, "kvq_layers", [])]
+            layers = getattr(cache, "kvq_layers", [])
+            rs = [layer.residual for layer in layers]
             block = min(rs) if rs and min(rs) > 0 else 32
+            if not decode_view and any(layer.flush == "sliding" for layer in layers):
+                block = 1
         elif cfg.kind in ("quanto", "hqq"):
             block = int(cfg.params.get("residual_length", 128))
         first = block - prefix % block
@@ -87,17 +96,19 @@ def token_elements(model_config: Any) -> int:
 
 def score_window(model: Any, ids: Any, cfg: CacheConfig, prefix: int, score: int, *, backend: str,
                  shared: Any | None, chunk: int | None, reference: Any | None = None,
-                 keep_logprobs: bool = False) -> tuple[dict[str, Any], Any | None]:
+                 keep_logprobs: bool = False, attention: str = "dequant") -> tuple[dict[str, Any], Any | None]:
     """NLL of ``score`` tokens after ``prefix`` for one configuration; ``ids`` is ``[1, prefix+score+1]``.
 
     With ``reference`` (the full-precision run's next-token log-probabilities, ``[score, vocab]``)
     the run also records ``kl``: the summed KL(fp || this cache) over the scored positions, a
     lower-variance measure of the same damage PPL sees. ``keep_logprobs`` returns this run's
     log-probabilities (to serve as the reference); otherwise the second item is ``None``.
+    ``attention`` is the kvq caches' attention mode ("dequant" or "codes").
     """
     import torch
 
-    cache = build_cache(cfg, model.config, backend)
+    cache = build_cache(cfg, model.config, backend, attention=attention)
+    decode_view = getattr(model.config, "_attn_implementation", None) == "kvq"
     t0 = time.perf_counter()
     kept = []
     with torch.no_grad():
@@ -106,9 +117,11 @@ def score_window(model: Any, ids: Any, cfg: CacheConfig, prefix: int, score: int
         else:
             model(ids[:, :prefix], cache=cache, use_cache=True)
         prefill_s = time.perf_counter() - t0
+        if decode_view and cfg.kind == "kvq":
+            cache.chunks = "decode"  # scoring chunks see what token-by-token decoding sees
         nll, kl, pos = 0.0, 0.0, prefix
         t1 = time.perf_counter()
-        for size in chunk_plan(cfg, cache, prefix, score, chunk):
+        for size in chunk_plan(cfg, cache, prefix, score, chunk, decode_view):
             logits = model(ids[:, pos:pos + size], cache=cache, use_cache=True).logits
             logp = torch.log_softmax(logits[0].float(), dim=-1)
             target = ids[0, pos + 1:pos + size + 1]
@@ -237,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     fp_label = fp_cfg.label if fp_cfg else None
     if fp_cfg is not None:  # the fp run goes first in every window: it is the KL reference
         configs = [fp_cfg] + [c for c in configs if c is not fp_cfg]
-    model, tok, info = load_model(args.model, attn_implementation=args.attn, threads=args.threads)
+    # the kvq attention function falls back to sdpa for everything but kvq caches' multi-token
+    # sliding steps; --attn kvq also makes kvq caches attend from their codes
+    attention = "codes" if args.attn == "kvq" else "dequant"
+    model, tok, info = load_model(args.model, attn_implementation=args.attn or "kvq", threads=args.threads)
     text, source = load_text(args.text_file, args.dataset)
     ids_all = tok(text, return_tensors="pt").input_ids
     length = args.prefix + args.score + 1
@@ -246,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {
         "kind": "ppl", "model": info, "text": source, "text_tokens": int(ids_all.shape[1]),
         "protocol": {"prefix": args.prefix, "score": args.score, "chunk": args.chunk or "flush block",
-                     "shared_prefill": not args.no_shared_prefill, "attn": args.attn or model.config._attn_implementation,
+                     "shared_prefill": not args.no_shared_prefill, "attn": args.attn or "sdpa (kvq function for sliding chunks)",
                      "window_tokens": length, "windows": windows, "tuning": args.tuning, "backend": args.backend,
                      "seeds": args.seeds},
         "configs": [c.describe() for c in configs], "fp_label": fp_label, "runs": [],
@@ -288,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if fp_cfg is not None:  # rerun on --resume when only later configurations are missing
             bar.set_postfix_str(f"window {w}: {fp_label}")
             run, reference = score_window(model, ids, fp_cfg, args.prefix, args.score, backend=args.backend,
-                                          shared=shared, chunk=args.chunk, keep_logprobs=True)
+                                          shared=shared, chunk=args.chunk, keep_logprobs=True, attention=attention)
             if fp_cfg in todo:
                 record(run, w)
         for c in todo:
@@ -296,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             bar.set_postfix_str(f"window {w}: {c.label}")
             run, _ = score_window(model, ids, c, args.prefix, args.score, backend=args.backend, shared=shared,
-                                  chunk=args.chunk, reference=reference)
+                                  chunk=args.chunk, reference=reference, attention=attention)
             record(run, w)
     bar.close()
     data["summary"] = summarize(data["runs"], configs, fp_label)

@@ -9,6 +9,9 @@ sdpa mask builder under the same name) by :func:`register`; a model loaded with
   ``Quantizer.attend(q, pk, pv, scale, return_lse=True)`` block by block, the full-precision
   window with plain softmax attention under the model's mask, and the parts are merged exactly
   with their log-sum-exps. No decoded copy of the history is made.
+- Called with K/V of a layer with ``flush="sliding"`` in a multi-token step: each query reads
+  the window tokens ``residual`` or more positions back from this step's flushed codes, so a
+  chunked forward equals token-by-token decoding (specs/octopus.md 1.11).
 - Called with ordinary K/V (no cache, ``DynamicCache``, full-precision layers): plain sdpa.
 
 Coverage: decoder models whose attention module passes ``cache.update(...)``'s K/V unchanged
@@ -67,23 +70,45 @@ def _causal_visible(lq: int, w: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(w, device=device)[None, :] <= qpos)[None, None]
 
 
+def _window_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, vis: torch.Tensor | None,
+                  ctx: CodesContext, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The window's share: exact, except (sliding flush) tokens ``residual`` or more positions
+    before a query, which that query reads decoded from this step's flushed codes."""
+    lq, w = query.shape[-2], key.shape[-2]
+    if ctx.flushed is None:
+        return [_softmax_parts(query, key, value, vis, scale)]
+    qpos = torch.arange(lq, device=query.device)[:, None] + (w - lq)
+    old = (qpos - torch.arange(w, device=query.device)[None, :]) >= max(ctx.layer.residual, 1)
+    fk, fv = ctx.layer.decode_pair(*ctx.flushed)
+    m = fk.shape[-2]
+    if bool(old[:, m:].any()):
+        raise KVQError(f"kvq attention: a query reads window tokens beyond the {m} flushed ones from codes")
+    vis = _causal_visible(lq, w, query.device) if vis is None else vis
+    return [_softmax_parts(query, key, value, vis & ~old, scale),
+            _softmax_parts(query, fk, fv, vis[..., :m] & old[:, :m], scale)]
+
+
 def attend_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: CodesContext,
                  attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Attention of ``query`` over ``ctx``'s packed blocks and the window (key, value)."""
+    """Attention of ``query`` over ``ctx``'s packed blocks and the K/V it was handed (decoded
+    history, if any, then the window)."""
     layer = ctx.layer
     b, hq, lq, d = query.shape
     w = key.shape[-2]
-    n_packed = ctx.packed_length
+    n_packed, h = ctx.packed_length, ctx.history
     vis_w = vis_p = None
     if attention_mask is not None:
         vis = _visible(attention_mask)
         if vis.shape[-1] != n_packed + w:
-            raise KVQError(f"kvq attention: mask covers {vis.shape[-1]} keys; the cache holds {n_packed} packed + {w} exact")
+            raise KVQError(f"kvq attention: mask covers {vis.shape[-1]} keys; the cache holds {n_packed} packed + {w} in K/V")
         vis = vis[..., -lq:, :] if vis.shape[-2] != lq else vis
         vis_w, vis_p = vis[..., n_packed:], vis[..., :n_packed]
     elif lq > 1:
         vis_w = _causal_visible(lq, w, query.device)
-    parts = [_softmax_parts(query, key, value, vis_w, scale)]
+    parts = []
+    if h:  # decoded history: every query reads it whole
+        parts.append(_softmax_parts(query, key[:, :, :h], value[:, :, :h], None if vis_w is None else vis_w[..., :h], scale))
+    parts += _window_parts(query, key[:, :, h:], value[:, :, h:], None if vis_w is None else vis_w[..., h:], ctx, scale)
     if ctx.blocks:
         if vis_p is not None and not bool(vis_p.all()) or not layer.same_spec:
             # a mask hides packed tokens, or K and V use different codecs: decode and attend

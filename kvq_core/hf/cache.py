@@ -6,12 +6,25 @@ Storage per layer (append-only):
   the layer's quantizer; never re-quantized;
 - a full-precision *window* (``layer.keys`` / ``layer.values``) of the most recent tokens.
 
-Flush policy ("block", the OScaR reference, specs/oscar.md 1.5): new tokens join the window;
-attention for the step is computed over packed blocks + window (so the newest tokens are
-always seen exactly); *after* that, once the window holds ``residual`` tokens or more, its
-first ``residual * (n // residual)`` tokens are encoded as one new block. So after a prefill of
-L tokens ``L - L % residual`` are packed and ``L % residual`` stay exact, and a decode step
-attends with 1..``residual`` exact tokens. ``residual=0`` packs everything after each step.
+Flush policies. New tokens join the window; attention for the step is computed over packed
+blocks + window (so the newest tokens are always seen exactly); *after* that, tokens are
+packed:
+
+- ``flush="block"`` (the OScaR reference, specs/oscar.md 1.5; token-group codecs): once the
+  window holds ``residual`` tokens or more, its first ``residual * (n // residual)`` tokens are
+  encoded as one new block. After a prefill of L tokens ``L - L % residual`` are packed and a
+  decode step attends with 1..``residual`` exact tokens.
+- ``flush="sliding"`` (the OCTOPUS protocol, specs/octopus.md 1.11; per-token codecs): all but
+  the last ``residual - 1`` tokens are packed after every step, so every decode query attends to
+  exactly its ``residual`` most recent tokens (itself included) exactly. Per-step blocks are
+  joined as they come (:func:`kvq_core.layout.concat_tokens`), keeping O(log n) blocks. A
+  multi-token step attends its whole window exactly (as a prefill does), so its queries see
+  ``residual``..``residual + chunk - 1`` exact tokens; with ``chunks="decode"`` and the
+  ``"kvq"`` attention function each of them sees what it would decoding one token at a time
+  (window tokens ``residual`` or more positions back are read from their codes), so a chunked
+  teacher-forced forward equals token-by-token decoding (``kvq eval ppl`` scores this way).
+
+``residual=0`` packs everything after each step under both.
 
 Two ways to attend:
 
@@ -38,11 +51,13 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicL
 
 from kvq_core.api import Quantizer, get_quantizer
 from kvq_core.errors import InputError, KVQError
-from kvq_core.layout import PackedKV
+from kvq_core.layout import PackedKV, concat_tokens, slice_tokens, token_separable
 from kvq_core.registry import make_spec
 from kvq_core.spec import MethodSpec
 
 ATTENTION_MODES = ("auto", "dequant", "codes")
+FLUSH_MODES = ("block", "sliding")
+CHUNK_MODES = ("exact", "decode")
 WINDOW_BITS = 16  # exact tokens are counted as a float16/bfloat16 deployment stores them
 
 
@@ -91,6 +106,8 @@ class KVQLayer(DynamicLayer):
         layer_idx: int,
         backend: str = "auto",
         residual: int = 128,
+        flush: str = "block",
+        chunks: str = "exact",
         attention: str = "auto",
         cache_decoded: bool = True,
         config: Any = None,
@@ -100,8 +117,18 @@ class KVQLayer(DynamicLayer):
             raise InputError(f"residual={residual!r}; expected an integer >= 0 (tokens kept in full precision)")
         if attention not in ATTENTION_MODES:
             raise InputError(f"attention={attention!r}; expected one of {ATTENTION_MODES}")
+        if flush not in FLUSH_MODES:
+            raise InputError(f"flush={flush!r}; expected one of {FLUSH_MODES}")
+        if chunks not in CHUNK_MODES:
+            raise InputError(f"chunks={chunks!r}; expected one of {CHUNK_MODES}")
+        if flush == "sliding" and not separable(key_spec, value_spec):
+            raise InputError(
+                f"flush='sliding' needs per-token layouts; {key_spec.describe()} keys / {value_spec.describe()} "
+                "values share statistics across tokens: use flush='block'"
+            )
         self.key_spec, self.value_spec = key_spec, value_spec
-        self.layer_idx, self.backend, self.residual = layer_idx, backend, residual
+        self.layer_idx, self.backend, self.residual, self.flush = layer_idx, backend, residual, flush
+        self.chunks = chunks
         self.attention, self.cache_decoded, self._config = attention, cache_decoded, config
         self.kq: Quantizer | None = None
         self.vq: Quantizer | None = None
@@ -114,14 +141,14 @@ class KVQLayer(DynamicLayer):
         self.packed_bytes = 0
         self.cumulative_length = 0
         self._dec: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._dec_blocks = 0
+        self._dec_tokens = 0  # leading packed tokens that _dec holds decoded
         self._pending_codes = False
         self.last_attention_bits = 0.0  # stored bits when the last step attended (window at WINDOW_BITS)
         self.last_attention_elements = 0
 
     def __repr__(self) -> str:
         spec = self.key_spec.describe() if self.key_spec == self.value_spec else f"K={self.key_spec.describe()}, V={self.value_spec.describe()}"
-        return f"KVQLayer({spec}, residual={self.residual}, blocks={len(self.blocks)}, tokens={self.cumulative_length})"
+        return f"KVQLayer({spec}, residual={self.residual}, flush={self.flush!r}, blocks={len(self.blocks)}, tokens={self.cumulative_length})"
 
     # -- mode ---------------------------------------------------------------------------------
     @property
@@ -158,15 +185,21 @@ class KVQLayer(DynamicLayer):
         block = self._encode_flush(window_k, window_v)  # first: rejected input leaves the layer unchanged
         self.keys, self.values = window_k, window_v
         self.cumulative_length += key_states.shape[-2]
+        # sliding: a query of this step may sit `residual` or more tokens after a window token
+        decode_view = self.flush == "sliding" and self.chunks == "decode"
+        flushed = block[:2] if block is not None and decode_view and window_k.shape[-2] > max(self.residual, 1) else None
         if self.codes_mode:
             keys, values = self.keys.view(self.keys.shape), self.values.view(self.values.shape)
-            keys._kvq_context = CodesContext(self, tuple(self.blocks), self.packed_length)  # type: ignore[attr-defined]
+            keys._kvq_context = CodesContext(self, tuple(self.blocks), self.packed_length, flushed=flushed)  # type: ignore[attr-defined]
             self._pending_codes = True
         else:
             hist = self.decoded_history()
             keys, values = self.keys, self.values
             if hist is not None:
                 keys, values = torch.cat([hist[0], keys], dim=-2), torch.cat([hist[1], values], dim=-2)
+            if flushed is not None:
+                keys = keys.view(keys.shape)
+                keys._kvq_context = CodesContext(self, (), 0, history=keys.shape[-2] - self.keys.shape[-2], flushed=flushed)  # type: ignore[attr-defined]
         b, h, w, d = self.keys.shape
         self.last_attention_bits = 8.0 * self.packed_bytes + WINDOW_BITS * 2 * b * h * w * d
         self.last_attention_elements = 2 * b * h * self.cumulative_length * d
@@ -199,12 +232,17 @@ class KVQLayer(DynamicLayer):
         return 0 if self.keys is None or self.keys.dim() != 4 else self.keys.shape[-2]
 
     def _encode_flush(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[PackedKV, PackedKV, int] | None:
-        """The block to flush from window ``keys``/``values``: their whole multiples of
-        ``residual`` tokens, encoded (None when the window is not full). Changes nothing."""
+        """The block to flush from window ``keys``/``values``, encoded, or None. Changes nothing.
+
+        "block": their whole multiples of ``residual`` tokens (none until the window is full);
+        "sliding": all but the last ``residual - 1``."""
         n, r = keys.shape[-2], self.residual
-        if n == 0 or n < max(r, 1):
+        if self.flush == "sliding":
+            m = n - max(r - 1, 0)
+        else:
+            m = 0 if n < max(r, 1) else (n if r == 0 else (n // r) * r)
+        if n == 0 or m <= 0:
             return None
-        m = n if r == 0 else (n // r) * r
         pk = self.kq.encode_keys(keys[:, :, :m].contiguous())  # type: ignore[union-attr]
         pv = self.vq.encode_values(values[:, :, :m].contiguous())  # type: ignore[union-attr]
         return pk, pv, m
@@ -217,6 +255,17 @@ class KVQLayer(DynamicLayer):
         self.packed_bytes += pk.nbytes() + pv.nbytes()
         self.keys = self.keys[:, :, m:].clone()
         self.values = self.values[:, :, m:].clone()
+        if self.flush == "sliding":
+            self._join_blocks()
+
+    def _join_blocks(self) -> None:
+        """Join the newest two blocks while the last is at least as long as the one before, so
+        block lengths never increase and per-step flushes leave O(log n) blocks."""
+        while len(self.blocks) >= 2 and self.block_tokens[-2] <= self.block_tokens[-1]:
+            (k1, v1), (k2, v2) = self.blocks[-2:]
+            joined = (concat_tokens([k1, k2], self.kq.arrays), concat_tokens([v1, v2], self.vq.arrays))  # type: ignore[union-attr]
+            self.blocks[-2:] = [joined]
+            self.block_tokens[-2:] = [self.block_tokens[-2] + self.block_tokens[-1]]
 
     def decode_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decode_pair(*self.blocks[i])
@@ -235,22 +284,27 @@ class KVQLayer(DynamicLayer):
         if not self.cache_decoded:
             parts = [self.decode_block(i) for i in range(len(self.blocks))]
             return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
-        if self._dec_blocks < len(self.blocks):
-            parts = [self.decode_block(i) for i in range(self._dec_blocks, len(self.blocks))]
-            if self._dec is not None:
-                parts.insert(0, self._dec)
+        if self._dec_tokens < self.packed_length:
+            parts = [] if self._dec is None else [self._dec]
+            start = 0
+            for i, t in enumerate(self.block_tokens):
+                if start + t > self._dec_tokens:  # (part of) block i is not decoded yet
+                    k, v = self.decode_block(i)
+                    skip = max(self._dec_tokens - start, 0)
+                    parts.append((k[:, :, skip:], v[:, :, skip:]))
+                start += t
             self._dec = (torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2))
-            self._dec_blocks = len(self.blocks)
+            self._dec_tokens = self.packed_length
         return self._dec
 
     def drop_decoded(self) -> None:
         """Free the decoded-history copy (it is rebuilt on demand)."""
-        self._dec, self._dec_blocks = None, 0
+        self._dec, self._dec_tokens = None, 0
 
     def snapshot(self) -> dict[str, Any]:
         """The layer's state, to undo the next ``update`` with :meth:`restore`. Holds references
         (updates rebind tensors, never write into them), not the decoded-history copy."""
-        state = {k: v for k, v in vars(self).items() if k not in ("_dec", "_dec_blocks")}
+        state = {k: v for k, v in vars(self).items() if k not in ("_dec", "_dec_tokens")}
         state["blocks"], state["block_tokens"] = list(self.blocks), list(self.block_tokens)
         return state
 
@@ -299,8 +353,9 @@ class KVQLayer(DynamicLayer):
         if self.is_initialized and self.cumulative_length:
             self._map_batch(torch.arange(self._batch()).repeat_interleave(repeats))
 
-    def check_crop(self, tokens_to_remove: int) -> int:
-        """Raise if ``crop(tokens_to_remove)`` is impossible; else return how many blocks it keeps."""
+    def check_crop(self, tokens_to_remove: int) -> tuple[int, int]:
+        """Raise if ``crop(tokens_to_remove)`` is impossible; else return how many whole blocks it
+        keeps and how many leading tokens of the next block (per-token layouts only)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicLayer")
         n = -tokens_to_remove
@@ -310,47 +365,65 @@ class KVQLayer(DynamicLayer):
         tokens = list(self.block_tokens)
         while rest > 0 and tokens and tokens[-1] <= rest:
             rest -= tokens.pop()
-        if rest:
+        if rest and not separable(self.key_spec, self.value_spec):
             raise KVQError(
                 f"crop: removing {n} tokens cuts inside a packed block of {tokens[-1]} tokens; "
                 f"only the window ({self.window_length} tokens) and whole blocks can be cropped"
             )
-        return len(tokens)
+        return (len(tokens) - 1, tokens[-1] - rest) if rest else (len(tokens), 0)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove ``-tokens_to_remove`` tokens from the end: from the window, then whole blocks.
 
-        A cut that falls inside a packed block raises (the block's codes and statistics cover
-        all its tokens; dropping some would need re-quantization).
+        A cut inside a packed block keeps the block's leading tokens when the layout is per
+        token; otherwise it raises (the block's statistics cover all its tokens; dropping some
+        would need re-quantization).
         """
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicLayer")
         n = -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
-        keep_blocks = self.check_crop(tokens_to_remove)
+        keep_blocks, keep_tokens = self.check_crop(tokens_to_remove)
         from_window = min(n, self.window_length)
         blocks, tokens = self.blocks[:keep_blocks], self.block_tokens[:keep_blocks]
+        if keep_tokens:
+            pk, pv = self.blocks[keep_blocks]
+            blocks.append((slice_tokens(pk, 0, keep_tokens), slice_tokens(pv, 0, keep_tokens)))
+            tokens.append(keep_tokens)
         if from_window:
             w = self.window_length - from_window
             self.keys, self.values = self.keys[:, :, :w].clone(), self.values[:, :, :w].clone()
-        if len(blocks) != len(self.blocks):
+        if tokens != self.block_tokens:
             self.blocks, self.block_tokens = blocks, tokens
             self.packed_length = sum(tokens)
             self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in blocks)
             if self._dec is not None:
                 self._dec = tuple(t[:, :, : self.packed_length] for t in self._dec)  # type: ignore[assignment]
-                self._dec_blocks = len(blocks)
+                self._dec_tokens = min(self._dec_tokens, self.packed_length)
         self.cumulative_length -= n
 
 
 @dataclasses.dataclass(frozen=True)
 class CodesContext:
-    """What the ``"kvq"`` attention function needs besides the window: the packed blocks."""
+    """What the ``"kvq"`` attention function needs besides the K/V it is handed.
+
+    ``blocks``/``packed_length``: packed blocks not in the K/V (codes mode), scored from codes.
+    ``history``: leading K/V tokens that are decoded history (dequant mode). ``flushed``: this
+    step's sliding flush, the window's first tokens encoded, for queries ``residual`` or more
+    tokens after them (see the module doc).
+    """
 
     layer: KVQLayer
     blocks: tuple[tuple[PackedKV, PackedKV], ...]
     packed_length: int
+    history: int = 0
+    flushed: tuple[PackedKV, PackedKV] | None = None
+
+
+def separable(key_spec: MethodSpec, value_spec: MethodSpec) -> bool:
+    """True when both layouts are per token, so packed blocks join and split along tokens."""
+    return token_separable(key_spec, "keys") and token_separable(value_spec, "values")
 
 
 def _head_dim(config: Any) -> int:
@@ -377,8 +450,13 @@ class KVQCache(Cache):
             are quantized; sliding-window and other layer types keep their transformers layer.
         method: a registered kvq method name (``kvq_core.list_methods()``).
         backend: a kvq backend name, or "auto" (picks torch when available for the device).
-        residual: tokens kept in full precision (block flush, see module doc); default is the
-            method spec's ``default_residual`` (OScaR/KIVI 128, OCTOPUS 32).
+        residual: tokens kept in full precision (see module doc); default is the method spec's
+            ``default_residual`` (OScaR/KIVI 128, OCTOPUS 32).
+        flush: "block" or "sliding" (module doc); default is the spec's ``default_flush``
+            ("sliding" for OCTOPUS, TurboQuant and PolarQuant, "block" otherwise), "block" when
+            either layout shares statistics across tokens.
+        chunks: "exact" or "decode": how a multi-token step of a sliding layer attends (module
+            doc); settable later through the ``chunks`` property (e.g. after a prefill).
         fp_layers: layers kept entirely in full precision (``DynamicLayer``), e.g. ``(0, -1)``.
         fp_key_layers: layers whose keys are stored as float16 (method "fp16") and values quantized.
         value_method, value_params: a different codec for values; by default values use
@@ -399,6 +477,8 @@ class KVQCache(Cache):
         backend: str = "auto",
         *,
         residual: int | None = None,
+        flush: str | None = None,
+        chunks: str = "exact",
         fp_layers: Iterable[int] = (),
         fp_key_layers: Iterable[int] = (),
         value_method: str | None = None,
@@ -435,9 +515,12 @@ class KVQCache(Cache):
                 value_spec = make_spec(value_method, **{"head_dim": head_dim, **(value_params or {}), **over})
             base = value_spec if i in self.fp_key_layers else key_spec
             r = residual if residual is not None else type(base).default_residual
+            f = flush
+            if f is None:
+                f = type(base).default_flush if separable(key_spec, value_spec) else "block"
             layers.append(
                 KVQLayer(
-                    key_spec, value_spec, layer_idx=i, backend=backend, residual=r,
+                    key_spec, value_spec, layer_idx=i, backend=backend, residual=r, flush=f, chunks=chunks,
                     attention=attention, cache_decoded=cache_decoded, config=text_config,
                 )
             )
@@ -465,6 +548,19 @@ class KVQCache(Cache):
         if layer_idx == len(self.layers) - 1:
             self._step = None
         return out
+
+    @property
+    def chunks(self) -> str:
+        """How multi-token steps of sliding layers attend: "exact" or "decode" (module doc)."""
+        modes = {layer.chunks for layer in self.kvq_layers}
+        return modes.pop() if len(modes) == 1 else "exact"
+
+    @chunks.setter
+    def chunks(self, mode: str) -> None:
+        if mode not in CHUNK_MODES:
+            raise InputError(f"chunks={mode!r}; expected one of {CHUNK_MODES}")
+        for layer in self.kvq_layers:
+            layer.chunks = mode
 
     @property
     def kvq_layers(self) -> list[KVQLayer]:

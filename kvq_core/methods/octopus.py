@@ -46,6 +46,7 @@ class OctopusSpec(MethodSpec):
     method = "octopus"
     summary = "OCTOPUS: Hadamard rotation, triplets in octahedral polar form, Lloyd-Max codebooks"
     default_residual = 32
+    default_flush = "sliding"
 
     bits: int = 2
     xi_bits: int | None = None

@@ -43,6 +43,7 @@ class PolarQuantSpec(MethodSpec):
     method = "polarquant"
     summary = "PolarQuant: randomized Hadamard rotation, recursive polar transform, per-level angle codebooks"
     default_residual = 0
+    default_flush = "sliding"
 
     level_bits: tuple[int, ...] = (4, 2, 2, 2)
     radius_dtype: str = "float16"

@@ -91,6 +91,7 @@ class TurboQuantSpec(MethodSpec):
     method = "turboquant"
     summary = "TurboQuant (MSE): random rotation, per-coordinate Lloyd-Max codebook, float32 norm"
     default_residual = 0
+    default_flush = "sliding"
 
     bits: int = 2
     rotation: str = "hadamard"
@@ -137,6 +138,7 @@ class TurboQuantProdSpec(MethodSpec):
     method = "turboquant_prod"
     summary = "TurboQuant (prod): (b-1)-bit TurboQuant + 1-bit QJL on the residual, unbiased inner products"
     default_residual = 0
+    default_flush = "sliding"
 
     bits: int = 2
     rotation: str = "hadamard"

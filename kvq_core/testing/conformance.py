@@ -14,6 +14,9 @@ it checks, against the reference backend (``"numpy"`` unless told otherwise):
    decodes from it (packed blocks travel both ways: NumPy -> backend in 3, backend -> NumPy here);
 5. **attend** - the backend's ``attend`` over the reference's packed block matches the
    reference's output and log-sum-exp within :func:`attend_tolerance`;
+   **per token** - for per-token layouts (:func:`~kvq_core.layout.token_separable`), the block's
+   tokens encoded in two parts and joined (:func:`~kvq_core.layout.concat_tokens`) pass checks
+   1-2 against the reference's whole block: a sliding-flush cache packs one token at a time;
 6. **typed errors** - bad input (rank, head_dim, empty, integer dtype, NaN/Inf, wrong packed
    kind, foreign spec, bad GQA ratio, bad scale) raises the documented :class:`KVQError` subclass;
    input whose stored fields would overflow (|x| ~ 1e6 past float16) raises InputError or decodes finite.
@@ -50,7 +53,7 @@ import numpy as np
 from kvq_core import registry
 from kvq_core.api import Quantizer
 from kvq_core.errors import InputError, KVQError, LayoutError
-from kvq_core.layout import PackedKV, pack_codes, unpack_codes
+from kvq_core.layout import PackedKV, concat_tokens, pack_codes, token_separable, unpack_codes
 from kvq_core.testing.strategies import DTYPES, HEAD_DIMS, REGIMES, Case, case_arrays, cases
 
 REFERENCE = "numpy"
@@ -184,9 +187,10 @@ def _perturbed(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def _compare_block(pair: _Pair, case: Case, kind: str, xr: np.ndarray, pb: PackedKV, pr: PackedKV,
-                   report: MethodReport, exact_codes: bool = False) -> None:
-    """Checks 1 and 2 for one packed block (keys or values)."""
+                   report: MethodReport, exact_codes: bool = False, label: str | None = None) -> None:
+    """Checks 1 and 2 for one packed block (keys or values); ``label`` names it in failures."""
     encode = pair.qr.encode_keys if kind == "keys" else pair.qr.encode_values
+    what = label or kind
     layout = pr.layout
     runs: list[PackedKV] | None = None
 
@@ -206,14 +210,14 @@ def _compare_block(pair: _Pair, case: Case, kind: str, xr: np.ndarray, pb: Packe
             repacked = pack_codes(cb, field.bits)
             if not np.array_equal(repacked, b):
                 bad = np.argwhere(repacked != b)[:5].tolist()
-                raise _fail(case, f"{kind} field {name!r} packing",
+                raise _fail(case, f"{what} field {name!r} packing",
                             f"bytes differ from the layout's packing of the backend's own codes "
                             f"(bit order or nonzero padding) at {bad}")
             report.codes_compared += cb.size
             diff = cb != cr
             if diff.any() and exact_codes:
                 i = tuple(np.argwhere(diff)[0])
-                raise _fail(case, f"{kind} codes {name!r} (exact)",
+                raise _fail(case, f"{what} codes {name!r} (exact)",
                             f"{int(diff.sum())} of {cb.size} codes differ; the backend promised bit-identical codes: "
                             f"at {i} backend {cb[i]} reference {cr[i]}")
             if diff.any():
@@ -224,7 +228,7 @@ def _compare_block(pair: _Pair, case: Case, kind: str, xr: np.ndarray, pb: Packe
                 if bad.any():
                     idx = np.argwhere(bad)[:5]
                     detail = "; ".join(f"at {tuple(i)}: backend {cb[tuple(i)]} reference {cr[tuple(i)]}" for i in idx)
-                    raise _fail(case, f"{kind} codes {name!r}",
+                    raise _fail(case, f"{what} codes {name!r}",
                                 f"{int(bad.sum())} of {cb.size} codes differ and are not ties "
                                 f"(no input within relative {TIE_RTOL:g} gives them): {detail}")
                 report.tie_mismatches += int(diff.sum())
@@ -242,7 +246,7 @@ def _compare_block(pair: _Pair, case: Case, kind: str, xr: np.ndarray, pb: Packe
                 bad &= ~inside
                 if bad.any():
                     i = tuple(np.argwhere(bad)[0])
-                    raise _fail(case, f"{kind} field {name!r}",
+                    raise _fail(case, f"{what} field {name!r}",
                                 f"{int(bad.sum())} of {bf.size} values differ: at {i} backend {bf[i]!r} "
                                 f"reference {rf[i]!r} (tolerance {tol[i]:.3g}, perturbed range [{lo[i]!r}, {hi[i]!r}])")
 
@@ -307,8 +311,23 @@ def check_case(backend: str, case: Case, *, reference: str = REFERENCE,
     _close(case, "attend lse", pair.to_numpy(lse_b), _f32(lse_r), lse_tol)
     vmax = float(np.max(np.abs(_f32(pair.qr.decode_values(pvr))))) + 1e-30
     report.max_attend_err = max(report.max_attend_err, err / vmax)
+    _check_per_token(pair, case, {"keys": (kb, kr), "values": (vb, vr)}, {"keys": pkr, "values": pvr}, report)
     report.examples += 1
     return report
+
+
+def _check_per_token(pair: _Pair, case: Case, xs: dict[str, tuple[Any, np.ndarray]], refs: dict[str, PackedKV],
+                     report: MethodReport) -> None:
+    """Per-token layouts: the block encoded in two parts and joined passes checks 1-2 against
+    the reference's whole-block encoding (a sliding-flush cache packs one token at a time)."""
+    t = case.shape[2]
+    for kind, (xb, xr) in xs.items():
+        if t < 2 or not token_separable(case.spec, kind):
+            continue
+        encode = pair.qb.encode_keys if kind == "keys" else pair.qb.encode_values
+        cut = t // 2
+        joined = concat_tokens([encode(xb[:, :, :cut]), encode(xb[:, :, cut:])], pair.qb.arrays)
+        _compare_block(pair, case, kind, xr, joined, refs[kind], report, label=f"{kind} encoded in two parts, joined")
 
 
 # ------------------------------------------------------------------------------------------------
