@@ -13,7 +13,7 @@ def add_common_args(p: argparse.ArgumentParser, *, methods: list[str], text_help
                    help="cache configurations METHOD[:k=v,...] (see kvq_core.eval.caches); 'fp' is DynamicCache")
     p.add_argument("--backend", default="auto", help="kvq backend for kvq methods (default auto)")
     p.add_argument("--no-shared-prefill", action="store_true", help="run the prefix forward once per configuration")
-    p.add_argument("--attn", default=None, help="attention implementation, e.g. 'kvq' to attend from codes")
+    p.add_argument("--attn", default=None, help="attention implementation; 'kvq' makes kvq caches attend from their codes (ppl default: the kvq function with dequant-mode caches, i.e. sdpa numerics plus decode-equivalent chunks for sliding caches)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--out", default=out, help=f"results JSON (default {out}); .md/.png written beside it")
     p.add_argument("--resume", action="store_true", help="keep runs already in --out and skip them")

@@ -19,6 +19,9 @@ Decisions where the paper is silent or open:
 
 - ``rounding="joint"`` is the default: it is the paper's encoder (App. E, spec 1.8), costs
   nothing at decode time and lowers MSE by 6-7%; ``"plain"`` reproduces the synthetic table.
+- Cache protocol (spec 1.11): ``default_residual = 32`` exact tokens with a sliding flush
+  (``default_flush = "sliding"``): every decode query sees exactly its 32 most recent tokens
+  exact, as HyperQuant's reproduction of the paper's evaluation does per query.
 - ``values="octopus"`` is the default: the paper's kernels describe keys only (spec 1.10),
   but V needs low MSE and OCTOPUS is the lowest-MSE data-oblivious codec here, so values use
   the same codec (as katgpt and HyperQuant's reproduction do). ``values="fp16"`` stores V as

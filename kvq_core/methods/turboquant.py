@@ -26,7 +26,8 @@ Decisions where the paper is silent:
   attention needs low value MSE, not unbiased value inner products.
 - ``turboquant_prod`` requires bits >= 2: at b = 1 there is no MSE stage and the codec is ``qjl``
   with m = d (plus a rotation, which does not change a Gaussian sketch's law).
-- ``default_residual = 0``: the paper names no full-precision recent window.
+- ``default_residual = 0``: the paper names no full-precision recent window. With one
+  (``residual=32``, as OCTOPUS's comparison runs it) the flush is sliding, OCTOPUS's protocol.
 
 Bits per element: ``turboquant`` b + 32/d (+ n_hi/d, + row padding of each code field);
 ``turboquant_prod`` (b-1) + 1 + 64/d.
