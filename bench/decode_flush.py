@@ -1,8 +1,9 @@
 """``python bench/decode_flush.py``: what the sliding flush costs at decode time.
 
 A sliding flush (every decode query sees exactly ``residual`` exact tokens, the OCTOPUS
-protocol) encodes one token per layer at every step; the block flush encodes ``residual``
-tokens every ``residual`` steps. This greedy-decodes ``--new`` tokens after a ``--prompt``-token
+protocol) encodes one token per layer at every step, or ``stride`` tokens every ``stride``
+steps (same attention); the block flush encodes ``residual`` tokens every ``residual`` steps.
+This greedy-decodes ``--new`` tokens after a ``--prompt``-token
 WikiText-2 prompt on SmolLM2-135M with each (method, flush, attention mode) and reports decode
 tokens/s as a ratio to the block flush measured in the same run, plus the blocks each layer
 holds at the end. Writes ``bench/results/decode_flush.{json,md}``.
@@ -50,13 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     text, _ = load_text(None, None)
     ids = tok(text, return_tensors="pt").input_ids[:, : args.prompt]
     rows = []
-    runs = [(m, f, a) for m in args.methods for a in ("dequant", "codes") for f in ("block", "sliding")]
-    for spec, flush, attention in tqdm(runs, desc="decode"):
+    flushes = [("block", 1), ("sliding", 1), ("sliding", args.residual)]
+    runs = [(m, f, s, a) for m in args.methods for a in ("dequant", "codes") for f, s in flushes]
+    for spec, flush, stride, attention in tqdm(runs, desc="decode"):
         method, _, params = spec.partition(":")
         kw = {k: int(v) for k, v in (x.split("=") for x in params.split(",") if x)}
-        cache = KVQCache(model.config, method, residual=args.residual, flush=flush, attention=attention, **kw)
+        cache = KVQCache(model.config, method, residual=args.residual, flush=flush, stride=stride, attention=attention, **kw)
         rate, blocks = decode_rate(model, ids, cache, args.new)
-        rows.append({"method": spec, "flush": flush, "attention": attention, "tok_s": rate, "blocks": blocks})
+        label = flush if stride == 1 else f"{flush}, stride {stride}"
+        rows.append({"method": spec, "flush": label, "attention": attention, "tok_s": rate, "blocks": blocks})
     for r in rows:
         base = next(x for x in rows if (x["method"], x["attention"], x["flush"]) == (r["method"], r["attention"], "block"))
         r["vs_block"] = r["tok_s"] / base["tok_s"]

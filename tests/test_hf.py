@@ -333,11 +333,54 @@ def test_sliding_chunks_equal_token_by_token_decoding(model, method, params):
     assert not torch.allclose(out["sdpa", "dequant", 4], decode, atol=1e-2)
 
 
+@pytest.mark.parametrize("stride", [3, 8])
+def test_sliding_stride_changes_nothing_attention_sees(model, stride):
+    """A stride encodes tokens ahead of need; they are read exact until they leave the window,
+    so logits equal stride 1's, decoding token by token (sdpa; kvq from codes) and in
+    decode-view chunks, and the cache holds at most stride - 1 tokens twice."""
+    ids = _ids(40, seed=12)
+    out = {}
+    for attn, mode, steps, s in (("sdpa", "dequant", [1] * 40, 1), ("sdpa", "dequant", [1] * 40, stride),
+                                 ("kvq", "codes", [1] * 40, stride), ("kvq", "dequant", [17, 1, 12, 10], stride),
+                                 ("kvq", "codes", [17, 1, 12, 10], stride)):
+        _attn(model, attn)
+        cache = KVQCache(model.config, "octopus", bits=3, residual=6, stride=s, attention=mode, chunks="decode")
+        pos, parts = 0, []
+        with torch.no_grad():
+            for n in steps:
+                parts.append(model(ids[:, pos:pos + n], cache=cache).logits)
+                pos += n
+                layer = cache.layers[0]
+                ahead = layer.packed_length - (layer.cumulative_length - layer.window_length)
+                assert 0 <= ahead <= s - 1 and layer.window_length == min(5, pos)
+        out[attn, mode, len(steps), s] = torch.cat(parts, dim=1)
+    _attn(model, "sdpa")
+    ref = out["sdpa", "dequant", 40, 1]
+    for key, logits in out.items():
+        assert torch.allclose(logits, ref, atol=2e-4, rtol=1e-4), key
+    # cropping drops the codes of cut tokens too, those encoded ahead included
+    cache = KVQCache(model.config, "octopus", bits=3, residual=6, stride=stride)
+    with torch.no_grad():
+        for t in range(30):
+            model(ids[:, t:t + 1], cache=cache)
+        layer = cache.layers[0]
+        assert layer.window_length == 5 and layer.packed_length > 25  # tokens 25..29 exact, some also packed
+        cache.crop(-4)
+        assert (layer.cumulative_length, layer.window_length, layer.packed_length) == (26, 1, 26)
+        assert layer.decoded_history()[0].shape[-2] == 26
+        out = model(ids[:, 26:30], cache=cache).logits
+    assert out.shape[1] == 4 and cache.get_seq_length() == 30
+
+
 def test_flush_and_chunk_modes_are_checked(model):
     with pytest.raises(InputError, match="flush='sliding' needs per-token layouts"):
         KVQCache(model.config, "oscar", bits=2, flush="sliding")
     with pytest.raises(InputError, match="flush='window'"):
         KVQCache(model.config, "octopus", bits=2, flush="window")
+    with pytest.raises(InputError, match="stride=2 applies to flush='sliding'"):
+        KVQCache(model.config, "oscar", bits=2, stride=2)
+    with pytest.raises(InputError, match="stride=0"):
+        KVQCache(model.config, "octopus", bits=2, stride=0)
     cache = KVQCache(model.config, "octopus", bits=2)
     with pytest.raises(InputError, match="chunks='fast'"):
         cache.chunks = "fast"

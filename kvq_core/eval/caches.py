@@ -6,7 +6,7 @@ Kinds:
 - ``quanto`` / ``hqq``: transformers' own ``QuantizedCache`` with that backend
   (``nbits``, ``q_group_size``, ``residual_length``, ``axis_key``, ``axis_value``);
 - any kvq method name: :class:`kvq_core.hf.KVQCache` with the method's parameters plus the
-  cache options ``residual``, ``flush``, ``fp_layers``, ``fp_key_layers`` (``;``-separated layer lists),
+  cache options ``residual``, ``flush``, ``stride``, ``fp_layers``, ``fp_key_layers`` (``;``-separated layer lists),
   ``value_method`` and ``v.<param>`` (value codec parameters, e.g. ``v.bits=2``).
 
 Every kind takes ``label=`` to name the row. Examples::
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 HF_KINDS = ("quanto", "hqq")
-CACHE_OPTIONS = ("residual", "flush", "fp_layers", "fp_key_layers", "value_method")
+CACHE_OPTIONS = ("residual", "flush", "stride", "fp_layers", "fp_key_layers", "value_method")
 WINDOW_BITS = 16
 
 
@@ -231,7 +231,8 @@ def steady_bits(cache: Any, cfg: CacheConfig, tokens: int, token_elements: int) 
 
     Per layer: the packed rate (stored bits per packed token, from the blocks actually held:
     codes, scales, norms, padding) for ``tokens - W`` tokens plus ``W`` exact tokens at 16
-    bits, W being the layer's window (kvq ``residual``, QuantizedCache ``residual_length``);
+    bits, W being the layer's window (kvq ``residual``, QuantizedCache ``residual_length``),
+    plus the ``stride - 1`` tokens a sliding kvq layer may hold as codes too;
     full-precision layers at 16 bits. This is the most a decode step at that length stores.
     """
     from kvq_core.hf.cache import KVQLayer
@@ -243,7 +244,8 @@ def steady_bits(cache: Any, cfg: CacheConfig, tokens: int, token_elements: int) 
         elements += tokens * token_elements
         if isinstance(layer, KVQLayer) and layer.packed_length:
             w = min(layer.residual, tokens)
-            bits += 8 * layer.packed_bytes / layer.packed_length * (tokens - w) + WINDOW_BITS * token_elements * w
+            ahead = layer.stride - 1 if layer.flush == "sliding" else 0  # tokens also held as codes
+            bits += 8 * layer.packed_bytes / layer.packed_length * (tokens - w + ahead) + WINDOW_BITS * token_elements * w
         elif hasattr(layer, "_quantized_keys") and getattr(layer, "is_initialized", False):
             keys = layer.keys
             res = keys.shape[-2] if keys is not None and keys.dim() == 4 else 0

@@ -79,7 +79,7 @@ def _window_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, v
         return [_softmax_parts(query, key, value, vis, scale)]
     qpos = torch.arange(lq, device=query.device)[:, None] + (w - lq)
     old = (qpos - torch.arange(w, device=query.device)[None, :]) >= max(ctx.layer.residual, 1)
-    fk, fv = ctx.layer.decode_pair(*ctx.flushed)
+    fk, fv = ctx.flushed
     m = fk.shape[-2]
     if bool(old[:, m:].any()):
         raise KVQError(f"kvq attention: a query reads window tokens beyond the {m} flushed ones from codes")

@@ -16,7 +16,10 @@ packed:
   decode step attends with 1..``residual`` exact tokens.
 - ``flush="sliding"`` (the OCTOPUS protocol, specs/octopus.md 1.11; per-token codecs): all but
   the last ``residual - 1`` tokens are packed after every step, so every decode query attends to
-  exactly its ``residual`` most recent tokens (itself included) exactly. Per-step blocks are
+  exactly its ``residual`` most recent tokens (itself included) exactly. ``stride`` S > 1
+  encodes S tokens at once, up to S - 1 of them ahead of need: those stay in the window and are
+  read exact until they age out, so attention is unchanged, decoding encodes once per S steps,
+  and the cache holds up to S - 1 tokens twice (codes and exact). Per-step blocks are
   joined as they come (:func:`kvq_core.layout.concat_tokens`), keeping O(log n) blocks. A
   multi-token step attends its whole window exactly (as a prefill does), so its queries see
   ``residual``..``residual + chunk - 1`` exact tokens; with ``chunks="decode"`` and the
@@ -107,6 +110,7 @@ class KVQLayer(DynamicLayer):
         backend: str = "auto",
         residual: int = 128,
         flush: str = "block",
+        stride: int = 1,
         chunks: str = "exact",
         attention: str = "auto",
         cache_decoded: bool = True,
@@ -119,6 +123,10 @@ class KVQLayer(DynamicLayer):
             raise InputError(f"attention={attention!r}; expected one of {ATTENTION_MODES}")
         if flush not in FLUSH_MODES:
             raise InputError(f"flush={flush!r}; expected one of {FLUSH_MODES}")
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise InputError(f"stride={stride!r}; expected an integer >= 1 (tokens a sliding flush encodes at once)")
+        if stride > 1 and flush != "sliding":
+            raise InputError(f"stride={stride} applies to flush='sliding'; got flush={flush!r}")
         if chunks not in CHUNK_MODES:
             raise InputError(f"chunks={chunks!r}; expected one of {CHUNK_MODES}")
         if flush == "sliding" and not separable(key_spec, value_spec):
@@ -128,7 +136,7 @@ class KVQLayer(DynamicLayer):
             )
         self.key_spec, self.value_spec = key_spec, value_spec
         self.layer_idx, self.backend, self.residual, self.flush = layer_idx, backend, residual, flush
-        self.chunks = chunks
+        self.chunks, self.stride = chunks, stride
         self.attention, self.cache_decoded, self._config = attention, cache_decoded, config
         self.kq: Quantizer | None = None
         self.vq: Quantizer | None = None
@@ -182,29 +190,38 @@ class KVQLayer(DynamicLayer):
             )
         window_k = torch.cat([self.keys, key_states], dim=-2)
         window_v = torch.cat([self.values, value_states], dim=-2)
-        block = self._encode_flush(window_k, window_v)  # first: rejected input leaves the layer unchanged
+        base = self.cumulative_length - self.window_length  # tokens read from codes this step
+        block = self._encode_flush(window_k, window_v, base)  # first: rejected input leaves the layer unchanged
         self.keys, self.values = window_k, window_v
         self.cumulative_length += key_states.shape[-2]
         # sliding: a query of this step may sit `residual` or more tokens after a window token
-        decode_view = self.flush == "sliding" and self.chunks == "decode"
-        flushed = block[:2] if block is not None and decode_view and window_k.shape[-2] > max(self.residual, 1) else None
+        decode_view = self.flush == "sliding" and self.chunks == "decode" and window_k.shape[-2] > max(self.residual, 1)
+        flushed = self._window_codes(block, base) if decode_view else None
         if self.codes_mode:
+            whole, part = self._blocks_before(base)
             keys, values = self.keys.view(self.keys.shape), self.values.view(self.values.shape)
-            keys._kvq_context = CodesContext(self, tuple(self.blocks), self.packed_length, flushed=flushed)  # type: ignore[attr-defined]
+            if part is not None:  # a block encoded ahead: its tokens before the window, decoded
+                keys, values = torch.cat([part[0], keys], dim=-2), torch.cat([part[1], values], dim=-2)
+            history = 0 if part is None else part[0].shape[-2]
+            keys._kvq_context = CodesContext(self, tuple(self.blocks[:whole]), base - history,  # type: ignore[attr-defined]
+                                             history=history, flushed=flushed)
             self._pending_codes = True
         else:
             hist = self.decoded_history()
             keys, values = self.keys, self.values
-            if hist is not None:
-                keys, values = torch.cat([hist[0], keys], dim=-2), torch.cat([hist[1], values], dim=-2)
+            if hist is not None and base:
+                keys = torch.cat([hist[0][:, :, :base], keys], dim=-2)
+                values = torch.cat([hist[1][:, :, :base], values], dim=-2)
             if flushed is not None:
                 keys = keys.view(keys.shape)
-                keys._kvq_context = CodesContext(self, (), 0, history=keys.shape[-2] - self.keys.shape[-2], flushed=flushed)  # type: ignore[attr-defined]
+                keys._kvq_context = CodesContext(self, (), 0, history=base, flushed=flushed)  # type: ignore[attr-defined]
         b, h, w, d = self.keys.shape
         self.last_attention_bits = 8.0 * self.packed_bytes + WINDOW_BITS * 2 * b * h * w * d
         self.last_attention_elements = 2 * b * h * self.cumulative_length * d
         if block is not None:
             self._commit(*block)
+        if self.flush == "sliding":
+            self._slide()
         return keys, values
 
     def mark_attended(self) -> None:
@@ -231,41 +248,83 @@ class KVQLayer(DynamicLayer):
     def window_length(self) -> int:
         return 0 if self.keys is None or self.keys.dim() != 4 else self.keys.shape[-2]
 
-    def _encode_flush(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[PackedKV, PackedKV, int] | None:
-        """The block to flush from window ``keys``/``values``, encoded, or None. Changes nothing.
+    def _encode_flush(self, keys: torch.Tensor, values: torch.Tensor, base: int) -> tuple[PackedKV, PackedKV, int] | None:
+        """The block to encode from window ``keys``/``values`` (its first token is token
+        ``base``), or None. Changes nothing.
 
-        "block": their whole multiples of ``residual`` tokens (none until the window is full);
-        "sliding": all but the last ``residual - 1``."""
+        "block": the window's whole multiples of ``residual`` tokens (none until it is full);
+        "sliding": the tokens not yet packed among all but the last ``residual - 1``, and when
+        fewer than ``stride``, more up to ``stride`` (as far as the window goes)."""
         n, r = keys.shape[-2], self.residual
+        start = self.packed_length - base  # window tokens [0, start) are packed already (ahead)
         if self.flush == "sliding":
-            m = n - max(r - 1, 0)
+            need = n - max(r - 1, 0)
+            m = 0 if need <= start else min(n, max(need, start + self.stride)) - start
         else:
             m = 0 if n < max(r, 1) else (n if r == 0 else (n // r) * r)
         if n == 0 or m <= 0:
             return None
-        pk = self.kq.encode_keys(keys[:, :, :m].contiguous())  # type: ignore[union-attr]
-        pv = self.vq.encode_values(values[:, :, :m].contiguous())  # type: ignore[union-attr]
+        pk = self.kq.encode_keys(keys[:, :, start:start + m].contiguous())  # type: ignore[union-attr]
+        pv = self.vq.encode_values(values[:, :, start:start + m].contiguous())  # type: ignore[union-attr]
         return pk, pv, m
 
+    def _blocks_before(self, base: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
+        """How many leading blocks lie wholly before token ``base``, and the decoded tokens
+        before ``base`` of the next block (one a sliding stride encoded ahead), if any."""
+        start = 0
+        for i, t in enumerate(self.block_tokens):
+            if start + t > base:
+                if start == base:
+                    return i, None
+                k, v = self.decode_block(i)
+                return i, (k[:, :, : base - start], v[:, :, : base - start])
+            start += t
+        return len(self.blocks), None
+
+    def _window_codes(self, block: tuple[PackedKV, PackedKV, int] | None, base: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The window's packed tokens decoded (those encoded ahead by earlier steps, then this
+        step's block), for a decode-view step: its queries read the older ones from codes."""
+        parts = []
+        if self.packed_length > base:
+            hist = self.decoded_history()
+            parts.append((hist[0][:, :, base:], hist[1][:, :, base:]))  # type: ignore[index]
+        if block is not None:
+            parts.append(self.decode_pair(block[0], block[1]))
+        if not parts:
+            return None
+        return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
+
     def _commit(self, pk: PackedKV, pv: PackedKV, m: int) -> None:
-        """Append an encoded block and drop its ``m`` tokens from the window."""
+        """Append an encoded block of ``m`` tokens; a block flush drops them from the window."""
         self.blocks.append((pk, pv))
         self.block_tokens.append(m)
         self.packed_length += m
         self.packed_bytes += pk.nbytes() + pv.nbytes()
-        self.keys = self.keys[:, :, m:].clone()
-        self.values = self.values[:, :, m:].clone()
-        if self.flush == "sliding":
-            self._join_blocks()
+        if self.flush == "block":
+            self.keys = self.keys[:, :, m:].clone()
+            self.values = self.values[:, :, m:].clone()
 
-    def _join_blocks(self) -> None:
-        """Join the newest two blocks while the last is at least as long as the one before, so
-        block lengths never increase and per-step flushes leave O(log n) blocks."""
-        while len(self.blocks) >= 2 and self.block_tokens[-2] <= self.block_tokens[-1]:
-            (k1, v1), (k2, v2) = self.blocks[-2:]
+    def _slide(self) -> None:
+        """Sliding flush after a step: keep the last ``residual - 1`` tokens in the window (the
+        older ones are packed), then join the newest two blocks that hold no window token while
+        the later is at least as long as the one before, so block lengths never increase and
+        per-step flushes leave O(log n) blocks (a block encoded ahead joins once its tokens have
+        all left the window)."""
+        drop = self.window_length - max(self.residual - 1, 0)
+        if drop > 0:
+            self.keys = self.keys[:, :, drop:].clone()
+            self.values = self.values[:, :, drop:].clone()
+        old = self.cumulative_length - self.window_length
+        j, end = len(self.blocks), self.packed_length
+        while j and end > old:  # blocks still holding window tokens stay apart
+            j -= 1
+            end -= self.block_tokens[j]
+        while j >= 2 and self.block_tokens[j - 2] <= self.block_tokens[j - 1]:
+            (k1, v1), (k2, v2) = self.blocks[j - 2:j]
             joined = (concat_tokens([k1, k2], self.kq.arrays), concat_tokens([v1, v2], self.vq.arrays))  # type: ignore[union-attr]
-            self.blocks[-2:] = [joined]
-            self.block_tokens[-2:] = [self.block_tokens[-2] + self.block_tokens[-1]]
+            self.blocks[j - 2:j] = [joined]
+            self.block_tokens[j - 2:j] = [self.block_tokens[j - 2] + self.block_tokens[j - 1]]
+            j -= 1
 
     def decode_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decode_pair(*self.blocks[i])
@@ -361,7 +420,7 @@ class KVQLayer(DynamicLayer):
         n = -tokens_to_remove
         if n > self.cumulative_length:
             raise ValueError(f"crop: cannot remove {n} tokens from a layer holding {self.cumulative_length}")
-        rest = n - min(n, self.window_length)
+        rest = max(self.packed_length - (self.cumulative_length - n), 0)  # packed tokens past the cut
         tokens = list(self.block_tokens)
         while rest > 0 and tokens and tokens[-1] <= rest:
             rest -= tokens.pop()
@@ -410,15 +469,15 @@ class CodesContext:
 
     ``blocks``/``packed_length``: packed blocks not in the K/V (codes mode), scored from codes.
     ``history``: leading K/V tokens that are decoded history (dequant mode). ``flushed``: this
-    step's sliding flush, the window's first tokens encoded, for queries ``residual`` or more
-    tokens after them (see the module doc).
+    step's sliding view: the window's first tokens decoded from their codes, for queries
+    ``residual`` or more tokens after them (see the module doc).
     """
 
     layer: KVQLayer
     blocks: tuple[tuple[PackedKV, PackedKV], ...]
     packed_length: int
     history: int = 0
-    flushed: tuple[PackedKV, PackedKV] | None = None
+    flushed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def separable(key_spec: MethodSpec, value_spec: MethodSpec) -> bool:
@@ -455,6 +514,9 @@ class KVQCache(Cache):
         flush: "block" or "sliding" (module doc); default is the spec's ``default_flush``
             ("sliding" for OCTOPUS, TurboQuant and PolarQuant, "block" otherwise), "block" when
             either layout shares statistics across tokens.
+        stride: tokens a sliding flush encodes at once (module doc): 1 encodes one token per
+            step; S > 1 encodes every S steps, holding up to S - 1 tokens twice. Attention is
+            the same either way.
         chunks: "exact" or "decode": how a multi-token step of a sliding layer attends (module
             doc); settable later through the ``chunks`` property (e.g. after a prefill).
         fp_layers: layers kept entirely in full precision (``DynamicLayer``), e.g. ``(0, -1)``.
@@ -478,6 +540,7 @@ class KVQCache(Cache):
         *,
         residual: int | None = None,
         flush: str | None = None,
+        stride: int = 1,
         chunks: str = "exact",
         fp_layers: Iterable[int] = (),
         fp_key_layers: Iterable[int] = (),
@@ -520,7 +583,7 @@ class KVQCache(Cache):
                 f = type(base).default_flush if separable(key_spec, value_spec) else "block"
             layers.append(
                 KVQLayer(
-                    key_spec, value_spec, layer_idx=i, backend=backend, residual=r, flush=f, chunks=chunks,
+                    key_spec, value_spec, layer_idx=i, backend=backend, residual=r, flush=f, stride=stride, chunks=chunks,
                     attention=attention, cache_decoded=cache_decoded, config=text_config,
                 )
             )
