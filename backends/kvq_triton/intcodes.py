@@ -1,0 +1,139 @@
+"""Integer (scale/offset) codes in Triton: the asymmetric min/max group quantizer of
+``kvq_numpy/intquant.py`` (OScaR, KIVI), encode and decode.
+
+A block is viewed as ``x [A, L, C]`` with groups of ``group`` consecutive entries along L:
+keys ``[b*h, tokens, d]`` (per channel over token groups), values ``[b*h*tokens, d, 1]`` (per
+token over channel groups). The stats are ``[A, ceil(L/group), C]``, the layout's shape. The
+float32 arithmetic is the reference's step for step (correctly rounded division, round half to
+even), so the codes are bit-identical for the same input.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq_triton import config
+from kvq_triton.packing import pack_rows, span, unpack_at
+
+
+@triton.jit
+def rint(x):
+    """Round half to even in float32 without libdevice: adding and removing 2**23 leaves an
+    integer for |x| < 2**23 (rounded by the FPU's own rule); larger floats are integers already."""
+    big = 8388608.0
+    c = tl.where(x >= 0, big, -big)
+    return tl.where(tl.abs(x) < big, (x + c) - c, x)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, A, L, C, group, n_groups,
+                     BITS: tl.constexpr, INTEGER_ZERO: tl.constexpr,
+                     AB: tl.constexpr, GB: tl.constexpr, CB: tl.constexpr):
+    a = tl.program_id(0) * AB + tl.arange(0, AB)[:, None, None]
+    g = tl.program_id(1)
+    c = tl.program_id(2) * CB + tl.arange(0, CB)[None, None, :]
+    lo = g * group
+    hi = tl.minimum(lo + group, L)
+    inside = (a < A) & (c < C)
+    mn = tl.full((AB, 1, CB), float("inf"), tl.float32)
+    mx = tl.full((AB, 1, CB), float("-inf"), tl.float32)
+    for start in range(lo, hi, GB):
+        l = start + tl.arange(0, GB)[None, :, None]
+        ok = inside & (l < hi)
+        x = tl.load(x_ptr + (a.to(tl.int64) * L + l) * C + c, mask=ok, other=0.0)
+        mn = tl.minimum(mn, tl.expand_dims(tl.min(tl.where(ok, x, float("inf")), axis=1), 1))
+        mx = tl.maximum(mx, tl.expand_dims(tl.max(tl.where(ok, x, float("-inf")), axis=1), 1))
+    levels = (1 << BITS) - 1.0
+    if INTEGER_ZERO:
+        both_zero = (mn == 0.0) & (mx == 0.0)
+        mn = tl.where(both_zero, -1.0, mn)
+        mx = tl.where(both_zero, 1.0, mx)
+    varying = mx > mn
+    s = tl.where(varying, tl.math.div_rn(mx - mn, tl.full(mn.shape, levels, tl.float32)), 0.0)
+    safe = tl.where(varying, s, 1.0)
+    if INTEGER_ZERO:
+        zq = tl.where(varying, rint(tl.math.div_rn(-mn, safe)), 0.0)
+        offset = tl.where(varying, -zq * s, mn)
+    else:
+        zq = mn
+        offset = mn
+    stat = (a.to(tl.int64) * n_groups + g) * C + c
+    tl.store(scale_ptr + stat, s.to(tl.float16), mask=inside)
+    tl.store(offset_ptr + stat, offset.to(tl.float16), mask=inside)
+    for start in range(lo, hi, GB):
+        l = start + tl.arange(0, GB)[None, :, None]
+        ok = inside & (l < hi)
+        at = (a.to(tl.int64) * L + l) * C + c
+        x = tl.load(x_ptr + at, mask=ok, other=0.0)
+        if INTEGER_ZERO:
+            q = rint(tl.math.div_rn(x, safe) + zq)
+        else:
+            q = rint(tl.math.div_rn(x - mn, safe))
+        q = tl.where(varying & ok, tl.minimum(tl.maximum(q, 0.0), levels), 0.0)
+        tl.store(codes_ptr + at, q.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _dequantize_kernel(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, L, C, group, n_groups, nbytes,
+                       D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr,
+                       BITS: tl.constexpr, SPAN: tl.constexpr):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    i = tl.arange(0, DP)[None, :]
+    ok = (row < rows) & (i < D)
+    code = unpack_at(packed_ptr + row.to(tl.int64) * nbytes, i, nbytes, BITS, SPAN, ok)
+    e = row.to(tl.int64) * D + i
+    c = e % C
+    l = (e // C) % L
+    a = e // (C * L)
+    stat = (a * n_groups + l // group) * C + c
+    s = tl.load(scale_ptr + stat, mask=ok, other=0.0).to(tl.float32)
+    o = tl.load(offset_ptr + stat, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + e, code.to(tl.float32) * s + o, mask=ok)
+
+
+def _view(x: torch.Tensor, along_tokens: bool) -> tuple[int, int, int]:
+    """(A, L, C) of a ``[b, h, t, d]`` block grouped along tokens (keys) or channels (values)."""
+    b, h, t, d = x.shape
+    return (b * h, t, d) if along_tokens else (b * h * t, d, 1)
+
+
+def quantize(x: torch.Tensor, bits: int, group: int, along_tokens: bool, integer_zero: bool) -> dict[str, torch.Tensor]:
+    """Fields ``codes`` (packed along head_dim), ``scale`` and ``offset`` (float16) of a float32
+    block ``[b, h, t, d]``: groups of ``group`` tokens per channel, or of ``group`` channels per token.
+    ``integer_zero`` selects OScaR's integer zero-point, else KIVI's float minimum."""
+    x = x.to(torch.float32).contiguous()
+    b, h, t, d = x.shape
+    A, L, C = _view(x, along_tokens)
+    n_groups = triton.cdiv(L, group)
+    stats = (b, h, n_groups, d) if along_tokens else (b, h, t, n_groups)
+    scale = torch.empty(stats, dtype=torch.float16, device=x.device)
+    offset = torch.empty(stats, dtype=torch.float16, device=x.device)
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    if along_tokens:
+        ab, cb = 1, triton.next_power_of_2(C)
+        gb = max(1, min(triton.next_power_of_2(group), config.tile() // cb))
+    else:
+        gb, cb = triton.next_power_of_2(group), 1
+        ab = max(1, config.tile() // gb)
+    grid = (triton.cdiv(A, ab), n_groups, triton.cdiv(C, cb))
+    _quantize_kernel[grid](x, codes, scale, offset, A, L, C, group, n_groups, BITS=bits,
+                           INTEGER_ZERO=integer_zero, AB=ab, GB=gb, CB=cb)
+    return {"codes": pack_rows(codes, bits), "scale": scale, "offset": offset}
+
+
+def dequantize(fields: dict[str, torch.Tensor], bits: int, group: int, along_tokens: bool, shape) -> torch.Tensor:
+    """Inverse of :func:`quantize`: ``codes * scale + offset`` in float32, ``[b, h, t, d]``."""
+    packed = fields["codes"].contiguous()
+    b, h, t, d = (int(s) for s in shape)
+    out = torch.empty((b, h, t, d), dtype=torch.float32, device=packed.device)
+    A, L, C = (b * h, t, d) if along_tokens else (b * h * t, d, 1)
+    rows = b * h * t
+    if rows == 0:
+        return out
+    dp = triton.next_power_of_2(d)
+    block = max(1, config.tile() // dp)
+    _dequantize_kernel[(triton.cdiv(rows, block),)](
+        packed, fields["scale"].contiguous(), fields["offset"].contiguous(), out, rows, L, C, group,
+        triton.cdiv(L, group), packed.shape[-1], D=d, DP=dp, ROWS=block, BITS=bits, SPAN=span(bits))
+    return out
