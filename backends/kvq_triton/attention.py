@@ -2,94 +2,20 @@
 
 One program takes one KV head's query rows (the ``g * q_len`` rows that share it, GQA) and one
 split of the tokens; it rebuilds each block of keys and values in registers from the codes
-(:func:`_tile`: integer codes with scale/offset, codebook indices, OCTOPUS triplets, or float16),
+(:func:`kvq_triton.tiles.tile`: integer codes with scale/offset, codebook indices, OCTOPUS
+triplets, or float16),
 scores with an online softmax, and writes its partial (max, sum, output). A second kernel merges
 the splits by log-sum-exp. No dequantized K/V ever reaches global memory. Queries arrive rotated
 (the host rotates them once) and outputs leave in the rotated domain (the host un-rotates once).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
-from kvq_triton import config
-from kvq_triton.packing import span, unpack_at
-
-#: What a block of keys or values is stored as (the ``kind`` of :class:`Stored`).
-INT_TOKENS, INT_CHANNELS, CODEBOOK, TRIPLETS, DENSE = 0, 1, 2, 3, 4
-#: How each token's logit (keys) or row (values) is scaled: not, by a [batch, tokens] norm
-#: shared by the KV heads (OScaR), or by a [batch * kv_heads, tokens] norm.
-NO_SCALE, BATCH_SCALE, HEAD_SCALE = 0, 1, 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Stored:
-    """One packed block as the attention kernel reads it.
-
-    ``codes`` ``[b, h, t, nbytes]`` (uint8; float16 ``[b, h, t, d]`` for DENSE); ``aux0``/``aux1``:
-    scale/offset (INT_*), the codebook (CODEBOOK), the rho codebook and the direction table
-    (TRIPLETS); ``group``: tokens (INT_TOKENS) or channels (INT_CHANNELS) per stats entry;
-    ``rho_bits``: the low bits of a triplet code holding the rho index; ``token_scale`` and
-    ``scale_mode``: the per-token factor (see NO_SCALE/BATCH_SCALE/HEAD_SCALE)."""
-
-    kind: int
-    codes: torch.Tensor
-    bits: int = 8
-    aux0: torch.Tensor | None = None
-    aux1: torch.Tensor | None = None
-    group: int = 1
-    rho_bits: int = 0
-    token_scale: torch.Tensor | None = None
-    scale_mode: int = NO_SCALE
-
-    def stats_len(self) -> int:
-        """Entries per row of the stats (groups along tokens, or channel groups per token)."""
-        return int(self.aux0.shape[-2] if self.kind == INT_TOKENS else self.aux0.shape[-1]) if self.aux0 is not None else 1
-
-
-@triton.jit
-def _tile(codes, aux0, aux1, bh, t, d, ok, T, nb, nstat,
-          D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, SPAN: tl.constexpr,
-          GROUP: tl.constexpr, RHO_BITS: tl.constexpr):
-    """Rows ``t`` ([BN, 1]) x channels ``d`` ([1, DP]) of one KV head's block, float32, 0 where not ``ok``."""
-    row = bh.to(tl.int64) * T + t
-    if KIND == 4:  # DENSE float16
-        x = tl.load(codes + row * D + d, mask=ok, other=0.0).to(tl.float32)
-    elif KIND == 3:  # TRIPLETS: rho codebook x direction table, triplet i = d // 3, component d % 3
-        i = d // 3
-        code = unpack_at(codes + row * nb, i, nb, BITS, SPAN, ok)
-        rho = tl.load(aux0 + (code & ((1 << RHO_BITS) - 1)), mask=ok, other=0.0)
-        direction = tl.load(aux1 + (code >> RHO_BITS) * 3 + (d - 3 * i), mask=ok, other=0.0)
-        x = rho * direction
-    else:
-        code = unpack_at(codes + row * nb, d, nb, BITS, SPAN, ok)
-        if KIND == 2:  # CODEBOOK
-            x = tl.load(aux0 + code, mask=ok, other=0.0)
-        else:
-            if KIND == 0:  # INT_TOKENS: stats [bh, token group, d]
-                stat = (bh.to(tl.int64) * nstat + t // GROUP) * D + d
-            else:  # INT_CHANNELS: stats [bh, t, channel group]
-                stat = row * nstat + d // GROUP
-            s = tl.load(aux0 + stat, mask=ok, other=0.0).to(tl.float32)
-            o = tl.load(aux1 + stat, mask=ok, other=0.0).to(tl.float32)
-            x = code.to(tl.float32) * s + o
-    return tl.where(ok, x, 0.0)
-
-
-@triton.jit
-def _token_scale(ptr, bh, t, ok, T, HK, MODE: tl.constexpr):
-    """The per-token factor ``[BN]`` (1 where MODE is NO_SCALE)."""
-    if MODE == 1:
-        f = tl.load(ptr + (bh // HK).to(tl.int64) * T + t, mask=ok, other=1.0)
-    elif MODE == 2:
-        f = tl.load(ptr + bh.to(tl.int64) * T + t, mask=ok, other=1.0)
-    else:
-        f = tl.full(t.shape, 1.0, tl.float32)
-    return f
-
+from kvq_triton.packing import span
+from kvq_triton.tiles import Stored, kernel_args, tile, token_scale
 
 @triton.jit
 def _attend_split_kernel(
@@ -117,16 +43,16 @@ def _attend_split_kernel(
         t_ok = t1 < end
         t = t1[:, None]
         ok = t_ok[:, None] & (d < D)
-        k = _tile(kc, ka, kb, bh, t, d, ok, T, k_nb, k_nstat, D, K_KIND, K_BITS, K_SPAN, K_GROUP, K_RHO)
+        k = tile(kc, ka, kb, bh, t, d, ok, T, k_nb, k_nstat, D, K_KIND, K_BITS, K_SPAN, K_GROUP, K_RHO)
         logits = tl.dot(q, tl.trans(k), input_precision="ieee")
-        logits = logits * _token_scale(ks, bh, t1, t_ok, T, HK, K_SCALE)[None, :]
+        logits = logits * token_scale(ks, bh, t1, t_ok, T, HK, K_SCALE)[None, :]
         logits = tl.where(t_ok[None, :], logits * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(logits - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _tile(vc, va, vb, bh, t, d, ok, T, v_nb, v_nstat, D, V_KIND, V_BITS, V_SPAN, V_GROUP, V_RHO)
-        v = v * _token_scale(vs, bh, t1, t_ok, T, HK, V_SCALE)[:, None]
+        v = tile(vc, va, vb, bh, t, d, ok, T, v_nb, v_nstat, D, V_KIND, V_BITS, V_SPAN, V_GROUP, V_RHO)
+        v = v * token_scale(vs, bh, t1, t_ok, T, HK, V_SCALE)[:, None]
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     part = (bh.to(tl.int64) * n_splits + split) * R + rows
@@ -170,13 +96,6 @@ def _splits(t: int, blocks_per_head: int, bh: int, block_n: int, device: torch.d
     return per, triton.cdiv(t, per)
 
 
-def _args(s: Stored, dummy: torch.Tensor) -> tuple:
-    aux0 = s.aux0.contiguous() if s.aux0 is not None else dummy
-    aux1 = s.aux1.contiguous() if s.aux1 is not None else dummy
-    scale = s.token_scale.contiguous() if s.token_scale is not None else dummy
-    return s.codes.contiguous(), aux0, aux1, scale
-
-
 def attend(q_rot: torch.Tensor, keys: Stored, values: Stored, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped rotated queries ``q_rot [b, kv_heads, R, d]`` (float32) over the
     packed keys and values of ``[b, kv_heads, t, d]``; returns ``out [b, kv_heads, R, d]`` (in the
@@ -194,8 +113,8 @@ def attend(q_rot: torch.Tensor, keys: Stored, values: Stored, scale: float) -> t
     o_part = torch.empty((bh, n_splits, r, d), dtype=torch.float32, device=dev)
     m_part = torch.empty((bh, n_splits, r), dtype=torch.float32, device=dev)
     l_part = torch.empty((bh, n_splits, r), dtype=torch.float32, device=dev)
-    kc, ka, kb, ks = _args(keys, q_rot)
-    vc, va, vb, vs = _args(values, q_rot)
+    kc, ka, kb, ks = kernel_args(keys, q_rot)
+    vc, va, vb, vs = kernel_args(values, q_rot)
     _attend_split_kernel[(bh, m_blocks, n_splits)](
         q_rot, kc, ka, kb, ks, vc, va, vb, vs, o_part, m_part, l_part,
         r, t, hk, kc.shape[-1], keys.stats_len(), vc.shape[-1], values.stats_len(), float(scale), per, n_splits,

@@ -1,5 +1,5 @@
 """Integer (scale/offset) codes in Triton: the asymmetric min/max group quantizer of
-``kvq_numpy/intquant.py`` (OScaR, KIVI), encode and decode.
+``kvq_numpy/intquant.py`` (OScaR, KIVI). Decoding is :func:`kvq_triton.tiles.decode`.
 
 A block is viewed as ``x [A, L, C]`` with groups of ``group`` consecutive entries along L:
 keys ``[b*h, tokens, d]`` (per channel over token groups), values ``[b*h*tokens, d, 1]`` (per
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvq_triton import config
-from kvq_triton.packing import pack_rows, span, unpack_at
+from kvq_triton.packing import pack_rows
 
 
 @triton.jit
@@ -74,24 +74,6 @@ def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, A, L, C, group, n_
         tl.store(codes_ptr + at, q.to(tl.uint8), mask=ok)
 
 
-@triton.jit
-def _dequantize_kernel(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, L, C, group, n_groups, nbytes,
-                       D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr,
-                       BITS: tl.constexpr, SPAN: tl.constexpr):
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-    i = tl.arange(0, DP)[None, :]
-    ok = (row < rows) & (i < D)
-    code = unpack_at(packed_ptr + row.to(tl.int64) * nbytes, i, nbytes, BITS, SPAN, ok)
-    e = row.to(tl.int64) * D + i
-    c = e % C
-    l = (e // C) % L
-    a = e // (C * L)
-    stat = (a * n_groups + l // group) * C + c
-    s = tl.load(scale_ptr + stat, mask=ok, other=0.0).to(tl.float32)
-    o = tl.load(offset_ptr + stat, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + e, code.to(tl.float32) * s + o, mask=ok)
-
-
 def _view(x: torch.Tensor, along_tokens: bool) -> tuple[int, int, int]:
     """(A, L, C) of a ``[b, h, t, d]`` block grouped along tokens (keys) or channels (values)."""
     b, h, t, d = x.shape
@@ -120,20 +102,3 @@ def quantize(x: torch.Tensor, bits: int, group: int, along_tokens: bool, integer
     _quantize_kernel[grid](x, codes, scale, offset, A, L, C, group, n_groups, BITS=bits,
                            INTEGER_ZERO=integer_zero, AB=ab, GB=gb, CB=cb)
     return {"codes": pack_rows(codes, bits), "scale": scale, "offset": offset}
-
-
-def dequantize(fields: dict[str, torch.Tensor], bits: int, group: int, along_tokens: bool, shape) -> torch.Tensor:
-    """Inverse of :func:`quantize`: ``codes * scale + offset`` in float32, ``[b, h, t, d]``."""
-    packed = fields["codes"].contiguous()
-    b, h, t, d = (int(s) for s in shape)
-    out = torch.empty((b, h, t, d), dtype=torch.float32, device=packed.device)
-    A, L, C = (b * h, t, d) if along_tokens else (b * h * t, d, 1)
-    rows = b * h * t
-    if rows == 0:
-        return out
-    dp = triton.next_power_of_2(d)
-    block = max(1, config.tile() // dp)
-    _dequantize_kernel[(triton.cdiv(rows, block),)](
-        packed, fields["scale"].contiguous(), fields["offset"].contiguous(), out, rows, L, C, group,
-        triton.cdiv(L, group), packed.shape[-1], D=d, DP=dp, ROWS=block, BITS=bits, SPAN=span(bits))
-    return out

@@ -2,8 +2,8 @@
 
 Host glue in torch: the Hadamard rotation as one matmul and the omni-token norm (the torch
 backend's helpers, so the float32 input to the quantizer is the same). Triton: the group
-quantizer and packing (:mod:`kvq_triton.intcodes`), the dequantizer, and the fused split-KV
-attention (:mod:`kvq_triton.attention`), which multiplies each logit by the token norm.
+quantizer and packing (:mod:`kvq_triton.intcodes`), the tile decoder (:mod:`kvq_triton.tiles`),
+and the fused split-KV attention (:mod:`kvq_triton.attention`), which multiplies each logit by the token norm.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from kvq_torch.common import Fields, TorchContext, TorchMethod, hadamard_rotate
 from kvq_torch.oscar import token_norms
-from kvq_triton import attention, intcodes
+from kvq_triton import attention, intcodes, tiles
+from kvq_triton.tiles import BATCH_SCALE, INT_CHANNELS, INT_TOKENS, NO_SCALE, Stored
 
 
 class OscarTriton(TorchMethod):
@@ -30,29 +31,30 @@ class OscarTriton(TorchMethod):
             fields["norm"] = norm
         return fields
 
+    def _keys(self, fields: Fields) -> Stored:
+        """Unit keys, each token's logit (or row) scaled by its norm when the spec has OTS."""
+        return Stored(INT_TOKENS, fields["codes"], self.spec.bits, fields["scale"], fields["offset"],
+                      group=self.spec.key_group, token_scale=fields.get("norm"),
+                      scale_mode=BATCH_SCALE if self.spec.token_scaling else NO_SCALE)
+
+    def _values(self, fields: Fields) -> Stored:
+        return Stored(INT_CHANNELS, fields["codes"], self.spec.bits, fields["scale"], fields["offset"],
+                      group=self.spec.value_group)
+
     def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
-        k = intcodes.dequantize(fields, self.spec.bits, self.spec.key_group, True, ctx.shape)
-        if self.spec.token_scaling:
-            k = k * fields["norm"][:, None, :, None]
-        return self._rotate(k, ctx)
+        return self._rotate(tiles.decode(self._keys(fields), ctx.shape), ctx)
 
     def encode_values(self, v: torch.Tensor, ctx: TorchContext) -> Fields:
         return intcodes.quantize(self._rotate(v, ctx), self.spec.bits, self.spec.value_group,
                                  along_tokens=False, integer_zero=True)
 
     def decode_values(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
-        return self._rotate(intcodes.dequantize(fields, self.spec.bits, self.spec.value_group, False, ctx.shape), ctx)
+        return self._rotate(tiles.decode(self._values(fields), ctx.shape), ctx)
 
     def attend(self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float):
         """Rotate q once, score the unit keys times the token norm, un-rotate the output once."""
         b, hq, lq, d = q.shape
         hk = ctx.shape[1]
         q_rot = self._rotate(q, ctx).reshape(b, hk, -1, d)
-        keys = attention.Stored(
-            attention.INT_TOKENS, kfields["codes"], self.spec.bits, kfields["scale"], kfields["offset"],
-            group=self.spec.key_group, token_scale=kfields.get("norm"),
-            scale_mode=attention.BATCH_SCALE if self.spec.token_scaling else attention.NO_SCALE)
-        values = attention.Stored(attention.INT_CHANNELS, vfields["codes"], self.spec.bits, vfields["scale"],
-                                  vfields["offset"], group=self.spec.value_group)
-        out, lse = attention.attend(q_rot, keys, values, scale)
+        out, lse = attention.attend(q_rot, self._keys(kfields), self._values(vfields), scale)
         return self._rotate(out, ctx).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
