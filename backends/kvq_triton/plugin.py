@@ -74,11 +74,8 @@ def _method_limits(spec: MethodSpec) -> str | None:
     """Why the kernels cannot serve this spec's parameters, or None."""
     if spec.head_dim > MAX_HEAD_DIM:
         return f"head_dim={spec.head_dim} (the Triton kernels hold a head in registers: head_dim <= {MAX_HEAD_DIM})"
-    if spec.method == "turboquant":
-        if getattr(spec, "rotation", None) != "hadamard":
-            return f"turboquant rotation={spec.rotation!r} (Triton kernels: 'hadamard' only)"
-        if getattr(spec, "high_bits_coords", 0):
-            return f"turboquant high_bits_coords={spec.high_bits_coords} (Triton kernels: 0 only)"
+    if spec.method == "turboquant" and spec.high_bits_coords:
+        return f"turboquant high_bits_coords={spec.high_bits_coords} (the Triton kernels store one code field: 0 only)"
     return None
 
 
