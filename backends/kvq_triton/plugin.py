@@ -87,17 +87,17 @@ def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
     limit = _method_limits(spec)
     if limit:
         return False, limit
+    kind = "cpu" if device is None else str(device).split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        return False, f"device {device!r} (Triton kernels run on 'cuda', or on 'cpu' under TRITON_INTERPRET=1)"
     ok, why = is_available()
     if not ok:
         return False, why
-    kind = "cpu" if device is None else str(device).split(":")[0]
     if kind == "cuda":
         if interpreting():
             return False, "device 'cuda' while TRITON_INTERPRET=1 (the interpreter runs on CPU tensors)"
         return (True, None) if _cuda() else (False, "device 'cuda' but torch sees no CUDA device")
-    if kind == "cpu":
-        return (True, None) if interpreting() else (False, "device 'cpu' needs TRITON_INTERPRET=1 (Triton's CPU interpreter)")
-    return False, f"device {device!r} (Triton kernels run on 'cuda', or on 'cpu' under TRITON_INTERPRET=1)"
+    return (True, None) if interpreting() else (False, "device 'cpu' needs TRITON_INTERPRET=1 (Triton's CPU interpreter)")
 
 
 class TritonArrays:

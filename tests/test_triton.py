@@ -1,0 +1,58 @@
+"""The Triton backend without a GPU: registration and ``supports`` reasons here, the
+conformance suite under the interpreter in a child process (``TRITON_INTERPRET=1`` must be set
+before the kernels are imported), and ``bench/gpu_check.py --dry-run``. The AOT compile gate is
+``tests/test_triton_aot.py``."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvq_core import registry
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "backends"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_child_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_registered_with_reason() -> None:
+    rec = {r.name: r for r in registry.list_backends()}["triton"]
+    assert set(rec.detail) == {"kivi", "octopus", "oscar", "turboquant"}
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert rec.available
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            assert not rec.available and "TRITON_INTERPRET" in rec.reason and "CUDA" in rec.reason
+
+
+def test_supports_names_what_is_unsupported() -> None:
+    from kvq_triton.plugin import supports
+
+    ok, why = supports(registry.make_spec("qjl"), "cuda")
+    assert not ok and "'qjl'" in why and "no Triton kernels" in why
+    ok, why = supports(registry.make_spec("turboquant", high_bits_coords=16), "cuda")
+    assert not ok and "high_bits_coords=16" in why
+    ok, why = supports(registry.make_spec("oscar"), "mps")
+    assert not ok and "'mps'" in why
+
+
+def test_conformance_under_interpreter() -> None:
+    proc = _run(["-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
+                 "tests/triton_interp/interp_conformance.py"], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "5 passed" in proc.stdout, proc.stdout[-3000:]

@@ -1,0 +1,104 @@
+"""Compile gate for the Triton kernels: every kernel compiles ahead of time for sm_80 and sm_90
+(``triton.compile`` down to a cubin with the wheel's ptxas, no GPU needed), at the block sizes
+the host code launches on a GPU. This catches what the interpreter cannot: GPU-only lowering,
+dtype rules of ``tl.dot``, shifts and casts. Runs without ``TRITON_INTERPRET`` (the kernels must
+be JIT functions, not interpreted ones)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # pragma: no cover - interpreter runs
+    pytest.skip("AOT compilation needs JIT kernels; TRITON_INTERPRET is set", allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvq_triton import attention, codebook, intcodes, packing, tiles  # noqa: E402
+
+P8, P16, P32, I32 = "*u8", "*fp16", "*fp32", "*i32"
+
+
+#: kernels the host launches with ``enable_fp_fusion=False`` (encoders that must round as the reference)
+NO_FMA = {codebook._coordinate_kernel, codebook._triplet_kernel}
+
+
+def _compile(fn, args: dict, arch: int):
+    """``args``: name -> a type string (runtime argument) or a Python value (constexpr)."""
+    signature = {k: (v if isinstance(v, str) else "constexpr") for k, v in args.items()}
+    constexprs = {k: v for k, v in args.items() if not isinstance(v, str)}
+    options = {"enable_fp_fusion": fn not in NO_FMA}
+    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _tile(kind: int, bits: int, group: int = 1, rho_bits: int = 0, scale: int = tiles.NO_SCALE) -> dict:
+    return dict(KIND=kind, BITS=bits, SPAN=packing.span(bits), GROUP=group, RHO_BITS=rho_bits, SCALE=scale)
+
+
+#: (codes, aux0, aux1) pointer types and tile constexprs of each stored kind
+STORED = {
+    "oscar-keys-int2": ((P8, P16, P16), _tile(tiles.INT_TOKENS, 2, 32, scale=tiles.BATCH_SCALE)),
+    "oscar-values-int2": ((P8, P16, P16), _tile(tiles.INT_CHANNELS, 2, 32)),
+    "oscar-keys-int3": ((P8, P16, P16), _tile(tiles.INT_TOKENS, 3, 128)),
+    "turboquant-b3": ((P8, P32, P32), _tile(tiles.CODEBOOK, 3, scale=tiles.HEAD_SCALE)),
+    "octopus-b2": ((P8, P32, P32), _tile(tiles.TRIPLETS, 7, rho_bits=1, scale=tiles.HEAD_SCALE)),
+    "octopus-b4": ((P8, P32, P32), _tile(tiles.TRIPLETS, 13, rho_bits=3, scale=tiles.HEAD_SCALE)),
+    "fp16": ((P16, P32, P32), _tile(tiles.DENSE, 8)),
+}
+
+#: (stored keys, stored values) pairs the methods attend over
+ATTEND = {
+    "oscar": ("oscar-keys-int2", "oscar-values-int2"),
+    "kivi": ("oscar-keys-int3", "oscar-values-int2"),
+    "turboquant": ("turboquant-b3", "turboquant-b3"),
+    "octopus": ("octopus-b2", "octopus-b2"),
+    "octopus-fp16-values": ("octopus-b4", "fp16"),
+}
+
+
+def _cases():
+    yield "pack-2bit", packing._pack_kernel, dict(
+        codes_ptr="*u8", out_ptr=P8, rows="i32", count="i32", nbytes="i32", BITS=2, SLOTS=4, ROWS=32, NBP=32)
+    yield "pack-13bit", packing._pack_kernel, dict(
+        codes_ptr=I32, out_ptr=P8, rows="i32", count="i32", nbytes="i32", BITS=13, SLOTS=2, ROWS=16, NBP=128)
+    for name, integer_zero, ab, gb, cb in (("keys", True, 1, 32, 128), ("values", False, 128, 32, 1)):
+        yield f"quantize-{name}", intcodes._quantize_kernel, dict(
+            x_ptr=P32, codes_ptr=P8, scale_ptr=P16, offset_ptr=P16, A="i32", L="i32", C="i32", group="i32",
+            n_groups="i32", BITS=2, INTEGER_ZERO=integer_zero, AB=ab, GB=gb, CB=cb)
+    for norm_correction in (False, True):
+        yield f"coordinates-nc{int(norm_correction)}", codebook._coordinate_kernel, dict(
+            v_ptr=P32, codes_ptr=I32, norm_ptr=P32, rows="i32", thresholds=P32, n_thresholds="i32",
+            centroids=P32, D=128, DP=128, RB=32, NORM_CORRECTION=norm_correction)
+    for joint in (False, True):
+        yield f"triplets-joint{int(joint)}", codebook._triplet_kernel, dict(
+            v_ptr=P32, codes_ptr=I32, rows="i32", n_triplets="i32", xi_thr=P32, n_xi="i32", eta_thr=P32,
+            n_eta="i32", rho_thr=P32, n_rho="i32", directions=P32, D=128, TP=64, RB=16, RHO_BITS=1, JOINT=joint)
+    for name, (ptrs, consts) in STORED.items():
+        yield f"decode-{name}", tiles._decode_kernel, dict(
+            codes=ptrs[0], aux0=ptrs[1], aux1=ptrs[2], tscale=P32, out_ptr=P32, T="i32", HK="i32", nb="i32",
+            nstat="i32", D=128, DP=128, BN=32, **consts)
+    for name, (kname, vname) in ATTEND.items():
+        (kp, kc), (vp, vc) = STORED[kname], STORED[vname]
+        args = dict(q_ptr=P32, kc=kp[0], ka=kp[1], kb=kp[2], ks=P32, vc=vp[0], va=vp[1], vb=vp[2], vs=P32,
+                    o_part=P32, m_part=P32, l_part=P32, R="i32", T="i32", HK="i32", k_nb="i32", k_nstat="i32",
+                    v_nb="i32", v_nstat="i32", scale="fp32", tokens_per_split="i32", n_splits="i32",
+                    D=128, DP=128, BM=16, BN=64)
+        for prefix, c in (("K", kc), ("V", vc)):
+            args.update({f"{prefix}_KIND": c["KIND"], f"{prefix}_BITS": c["BITS"], f"{prefix}_SPAN": c["SPAN"],
+                         f"{prefix}_GROUP": c["GROUP"], f"{prefix}_RHO": c["RHO_BITS"], f"{prefix}_SCALE": c["SCALE"]})
+        yield f"attend-{name}", attention._attend_split_kernel, args
+    yield "combine", attention._combine_kernel, dict(
+        o_part=P32, m_part=P32, l_part=P32, out_ptr=P32, lse_ptr=P32, R="i32", n_splits="i32", D=128, DP=128, BM=16)
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize(("name", "fn", "args"), CASES, ids=[c[0] for c in CASES])
+def test_kernel_compiles(name: str, fn, args: dict, arch: int) -> None:
+    compiled = _compile(fn, args, arch)
+    assert compiled.asm.get("cubin"), f"{name}: no cubin for sm_{arch}"
+    assert f".target sm_{arch}" in compiled.asm["ptx"]
