@@ -56,3 +56,13 @@ def test_conformance_under_interpreter() -> None:
                  "tests/triton_interp/interp_conformance.py"], timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "5 passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_gpu_check_dry_run() -> None:
+    proc = _run(["-W", "ignore::RuntimeWarning", "bench/gpu_check.py", "--dry-run", "--backends", "triton"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "conformance failures: 0" in out, out[-3000:]
+    for method in ("kivi", "octopus", "oscar", "turboquant"):
+        assert f"triton {method:<16} ok" in out, out[-3000:]
+    assert "GOAL oscar INT2 attend" in out, out[-3000:]

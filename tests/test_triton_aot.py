@@ -26,9 +26,11 @@ NO_FMA = {codebook._coordinate_kernel, codebook._triplet_kernel}
 
 
 def _compile(fn, args: dict, arch: int):
-    """``args``: name -> a type string (runtime argument) or a Python value (constexpr)."""
-    signature = {k: (v if isinstance(v, str) else "constexpr") for k, v in args.items()}
-    constexprs = {k: v for k, v in args.items() if not isinstance(v, str)}
+    """``args``: name -> a type string (runtime argument) or the value (``tl.constexpr`` parameter)."""
+    const = {p.name for p in fn.params if p.is_constexpr}
+    assert set(args) == {p.name for p in fn.params}, f"{fn.__name__}: arguments {sorted(args)}"
+    signature = {k: ("constexpr" if k in const else v) for k, v in args.items()}
+    constexprs = {k: v for k, v in args.items() if k in const}
     options = {"enable_fp_fusion": fn not in NO_FMA}
     return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -84,7 +86,8 @@ def _cases():
         args = dict(q_ptr=P32, kc=kp[0], ka=kp[1], kb=kp[2], ks=P32, vc=vp[0], va=vp[1], vb=vp[2], vs=P32,
                     o_part=P32, m_part=P32, l_part=P32, R="i32", T="i32", HK="i32", k_nb="i32", k_nstat="i32",
                     v_nb="i32", v_nstat="i32", scale="fp32", tokens_per_split="i32", n_splits="i32",
-                    D=128, DP=128, BM=16, BN=64)
+                    D=128, DP=128, BM=16, BN=32 if kc["KIND"] == tiles.INT_TOKENS else 64,
+                    PRECISION=attention.DOT_PRECISION, K_ONE_GROUP=kc["KIND"] == tiles.INT_TOKENS)
         for prefix, c in (("K", kc), ("V", vc)):
             args.update({f"{prefix}_KIND": c["KIND"], f"{prefix}_BITS": c["BITS"], f"{prefix}_SPAN": c["SPAN"],
                          f"{prefix}_GROUP": c["GROUP"], f"{prefix}_RHO": c["RHO_BITS"], f"{prefix}_SCALE": c["SCALE"]})

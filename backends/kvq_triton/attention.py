@@ -15,14 +15,18 @@ import triton
 import triton.language as tl
 
 from kvq_triton.packing import span
-from kvq_triton.tiles import Stored, kernel_args, tile, token_scale
+from kvq_triton.tiles import INT_TOKENS, Stored, kernel_args, tile, token_scale
+
+#: ``tl.dot`` precision on a GPU: three TF32 tensor-core products (float32-level accuracy, within
+#: the conformance tolerance); the interpreter computes in float32 ("ieee").
+DOT_PRECISION = "tf32x3"
 
 @triton.jit
 def _attend_split_kernel(
     q_ptr, kc, ka, kb, ks, vc, va, vb, vs, o_part, m_part, l_part,
     R, T, HK, k_nb, k_nstat, v_nb, v_nstat, scale, tokens_per_split, n_splits,
-    D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_SPAN: tl.constexpr, K_GROUP: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+    K_ONE_GROUP: tl.constexpr, K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_SPAN: tl.constexpr, K_GROUP: tl.constexpr,
     K_RHO: tl.constexpr, K_SCALE: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SPAN: tl.constexpr, V_GROUP: tl.constexpr,
     V_RHO: tl.constexpr, V_SCALE: tl.constexpr,
@@ -43,17 +47,18 @@ def _attend_split_kernel(
         t_ok = t1 < end
         t = t1[:, None]
         ok = t_ok[:, None] & (d < D)
-        k = tile(kc, ka, kb, bh, t, d, ok, T, k_nb, k_nstat, D, K_KIND, K_BITS, K_SPAN, K_GROUP, K_RHO)
-        logits = tl.dot(q, tl.trans(k), input_precision="ieee")
+        k = tile(kc, ka, kb, bh, n0, t, d, ok, T, k_nb, k_nstat, D, K_KIND, K_BITS, K_SPAN, K_GROUP, K_RHO,
+                 K_ONE_GROUP)
+        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         logits = logits * token_scale(ks, bh, t1, t_ok, T, HK, K_SCALE)[None, :]
         logits = tl.where(t_ok[None, :], logits * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(logits - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tile(vc, va, vb, bh, t, d, ok, T, v_nb, v_nstat, D, V_KIND, V_BITS, V_SPAN, V_GROUP, V_RHO)
+        v = tile(vc, va, vb, bh, n0, t, d, ok, T, v_nb, v_nstat, D, V_KIND, V_BITS, V_SPAN, V_GROUP, V_RHO, False)
         v = v * token_scale(vs, bh, t1, t_ok, T, HK, V_SCALE)[:, None]
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
     part = (bh.to(tl.int64) * n_splits + split) * R + rows
     tl.store(m_part + part, m_i, mask=row_ok)
@@ -107,6 +112,9 @@ def attend(q_rot: torch.Tensor, keys: Stored, values: Stored, scale: float) -> t
     dp = max(16, triton.next_power_of_2(d))
     bm = min(64, max(16, triton.next_power_of_2(r)))
     bn = 64 if d <= 128 else 32
+    one_group = keys.kind == INT_TOKENS and keys.group >= 16 and keys.group & (keys.group - 1) == 0
+    if one_group:  # tiles inside one token group: one row of key stats per tile
+        bn = min(bn, keys.group)
     m_blocks = triton.cdiv(r, bm)
     per, n_splits = _splits(t, m_blocks, bh, bn, q_rot.device)
     dev = q_rot.device
@@ -118,7 +126,8 @@ def attend(q_rot: torch.Tensor, keys: Stored, values: Stored, scale: float) -> t
     _attend_split_kernel[(bh, m_blocks, n_splits)](
         q_rot, kc, ka, kb, ks, vc, va, vb, vs, o_part, m_part, l_part,
         r, t, hk, kc.shape[-1], keys.stats_len(), vc.shape[-1], values.stats_len(), float(scale), per, n_splits,
-        D=d, DP=dp, BM=bm, BN=bn,
+        D=d, DP=dp, BM=bm, BN=bn, PRECISION=DOT_PRECISION if q_rot.device.type == "cuda" else "ieee",
+        K_ONE_GROUP=one_group,
         K_KIND=keys.kind, K_BITS=keys.bits, K_SPAN=span(keys.bits), K_GROUP=keys.group,
         K_RHO=keys.rho_bits, K_SCALE=keys.scale_mode,
         V_KIND=values.kind, V_BITS=values.bits, V_SPAN=span(values.bits), V_GROUP=values.group,

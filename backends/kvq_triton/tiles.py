@@ -49,10 +49,12 @@ class Stored:
 
 
 @triton.jit
-def tile(codes, aux0, aux1, bh, t, d, ok, T, nb, nstat,
-          D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, SPAN: tl.constexpr,
-          GROUP: tl.constexpr, RHO_BITS: tl.constexpr):
-    """Rows ``t`` ([BN, 1]) x channels ``d`` ([1, DP]) of one KV head's block, float32, 0 where not ``ok``."""
+def tile(codes, aux0, aux1, bh, n0, t, d, ok, T, nb, nstat,
+         D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, SPAN: tl.constexpr,
+         GROUP: tl.constexpr, RHO_BITS: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """Rows ``t`` ([BN, 1], the first is ``n0``) x channels ``d`` ([1, DP]) of one KV head's block,
+    float32, 0 where not ``ok``. ``ONE_GROUP``: the rows lie in one token group (INT_TOKENS), so
+    one row of scale/offset serves the tile."""
     row = bh.to(tl.int64) * T + t
     if KIND == 4:  # DENSE float16
         x = tl.load(codes + row * D + d, mask=ok, other=0.0).to(tl.float32)
@@ -67,12 +69,17 @@ def tile(codes, aux0, aux1, bh, t, d, ok, T, nb, nstat,
         if KIND == 2:  # CODEBOOK
             x = tl.load(aux0 + code, mask=ok, other=0.0)
         else:
-            if KIND == 0:  # INT_TOKENS: stats [bh, token group, d]
+            if KIND == 0 and ONE_GROUP:  # INT_TOKENS, one stats row [1, DP]
+                stat = (bh.to(tl.int64) * nstat + n0 // GROUP) * D + d
+                stat_ok = d < D
+            elif KIND == 0:  # INT_TOKENS: stats [bh, token group, d]
                 stat = (bh.to(tl.int64) * nstat + t // GROUP) * D + d
+                stat_ok = ok
             else:  # INT_CHANNELS: stats [bh, t, channel group]
                 stat = row * nstat + d // GROUP
-            s = tl.load(aux0 + stat, mask=ok, other=0.0).to(tl.float32)
-            o = tl.load(aux1 + stat, mask=ok, other=0.0).to(tl.float32)
+                stat_ok = ok
+            s = tl.load(aux0 + stat, mask=stat_ok, other=0.0).to(tl.float32)
+            o = tl.load(aux1 + stat, mask=stat_ok, other=0.0).to(tl.float32)
             x = code.to(tl.float32) * s + o
     return tl.where(ok, x, 0.0)
 
@@ -106,7 +113,8 @@ def _decode_kernel(codes, aux0, aux1, tscale, out_ptr, T, HK, nb, nstat,
     t = t1[:, None]
     d = tl.arange(0, DP)[None, :]
     ok = (t < T) & (d < D)
-    x = tile(codes, aux0, aux1, bh, t, d, ok, T, nb, nstat, D, KIND, BITS, SPAN, GROUP, RHO_BITS)
+    x = tile(codes, aux0, aux1, bh, tl.program_id(1) * BN, t, d, ok, T, nb, nstat, D, KIND, BITS, SPAN, GROUP,
+             RHO_BITS, False)
     x = x * token_scale(tscale, bh, t1, t1 < T, T, HK, SCALE)[:, None]
     tl.store(out_ptr + (bh.to(tl.int64) * T + t) * D + d, x, mask=ok)
 
