@@ -22,7 +22,7 @@ P8, P16, P32, I32 = "*u8", "*fp16", "*fp32", "*i32"
 
 
 #: kernels the host launches with ``enable_fp_fusion=False`` (encoders that must round as the reference)
-NO_FMA = {codebook._coordinate_kernel, codebook._triplet_kernel}
+NO_FMA = {codebook._coordinate_kernel, codebook._triplet_kernel, intcodes._quantize_kernel}
 
 
 def _compile(fn, args: dict, arch: int):

@@ -5,7 +5,7 @@ A block is viewed as ``x [A, L, C]`` with groups of ``group`` consecutive entrie
 keys ``[b*h, tokens, d]`` (per channel over token groups), values ``[b*h*tokens, d, 1]`` (per
 token over channel groups). The stats are ``[A, ceil(L/group), C]``, the layout's shape. The
 float32 arithmetic is the reference's step for step (correctly rounded division, round half to
-even), so the codes are bit-identical for the same input.
+even, launched without FMA contraction), so the codes are bit-identical for the same input.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def rint(x):
 def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, A, L, C, group, n_groups,
                      BITS: tl.constexpr, INTEGER_ZERO: tl.constexpr,
                      AB: tl.constexpr, GB: tl.constexpr, CB: tl.constexpr):
-    a = tl.program_id(0) * AB + tl.arange(0, AB)[:, None, None]
-    g = tl.program_id(1)
-    c = tl.program_id(2) * CB + tl.arange(0, CB)[None, None, :]
+    g = tl.program_id(0) % n_groups  # (row block, group) flattened on axis 0: no 65535 limit
+    a = (tl.program_id(0) // n_groups) * AB + tl.arange(0, AB)[:, None, None]
+    c = tl.program_id(1) * CB + tl.arange(0, CB)[None, None, :]
     lo = g * group
     hi = tl.minimum(lo + group, L)
     inside = (a < A) & (c < C)
@@ -98,7 +98,7 @@ def quantize(x: torch.Tensor, bits: int, group: int, along_tokens: bool, integer
     else:
         gb, cb = triton.next_power_of_2(group), 1
         ab = max(1, config.tile() // gb)
-    grid = (triton.cdiv(A, ab), n_groups, triton.cdiv(C, cb))
+    grid = (triton.cdiv(A, ab) * n_groups, triton.cdiv(C, cb))
     _quantize_kernel[grid](x, codes, scale, offset, A, L, C, group, n_groups, BITS=bits,
-                           INTEGER_ZERO=integer_zero, AB=ab, GB=gb, CB=cb)
+                           INTEGER_ZERO=integer_zero, AB=ab, GB=gb, CB=cb, enable_fp_fusion=False)
     return {"codes": pack_rows(codes, bits), "scale": scale, "offset": offset}
