@@ -46,9 +46,8 @@ def _attend_split_kernel(
         t1 = n0 + tl.arange(0, BN)
         t_ok = t1 < end
         t = t1[:, None]
-        ok = t_ok[:, None] & (d < D)
-        k = tile(kc, ka, kb, bh, n0, t, d, ok, T, k_nb, k_nstat, D, K_KIND, K_BITS, K_SPAN, K_GROUP, K_RHO,
-                 K_ONE_GROUP)
+        k = tile(kc, ka, kb, bh, n0, t, t_ok[:, None], d, T, k_nb, k_nstat, D, K_KIND, K_BITS, K_SPAN, K_GROUP,
+                 K_RHO, K_ONE_GROUP)
         logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         logits = logits * token_scale(ks, bh, t1, t_ok, T, HK, K_SCALE)[None, :]
         logits = tl.where(t_ok[None, :], logits * scale, float("-inf"))
@@ -56,7 +55,8 @@ def _attend_split_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(logits - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tile(vc, va, vb, bh, n0, t, d, ok, T, v_nb, v_nstat, D, V_KIND, V_BITS, V_SPAN, V_GROUP, V_RHO, False)
+        v = tile(vc, va, vb, bh, n0, t, t_ok[:, None], d, T, v_nb, v_nstat, D, V_KIND, V_BITS, V_SPAN, V_GROUP,
+                 V_RHO, False)
         v = v * token_scale(vs, bh, t1, t_ok, T, HK, V_SCALE)[:, None]
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new

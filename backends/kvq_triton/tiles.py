@@ -49,12 +49,33 @@ class Stored:
 
 
 @triton.jit
-def tile(codes, aux0, aux1, bh, n0, t, d, ok, T, nb, nstat,
+def unpack_bytes(row_ptr, row_ok, BITS: tl.constexpr, NB: tl.constexpr):
+    """Every code of rows of ``NB`` bytes holding ``8 // BITS`` codes each (BITS 2, 4 or 8),
+    ``[BN, NB * 8 // BITS]`` int32: each byte is loaded once and split in registers (the code
+    planes interleaved by ``tl.join``), in place of one gathered load per code."""
+    j = tl.arange(0, NB)[None, :]
+    b = tl.load(row_ptr + j, mask=row_ok, other=0).to(tl.int32)
+    if BITS == 8:
+        x = b
+    elif BITS == 4:
+        x = tl.reshape(tl.join(b & 15, b >> 4), (row_ok.shape[0], NB * 2))
+    else:  # code 4j + 2u + v is plane 2u + v: join(join(p0, p2), join(p1, p3))[..., u, v]
+        low = tl.join(b & 3, (b >> 4) & 3)
+        high = tl.join((b >> 2) & 3, (b >> 6) & 3)
+        x = tl.reshape(tl.join(low, high), (row_ok.shape[0], NB * 4))
+    return x
+
+
+@triton.jit
+def tile(codes, aux0, aux1, bh, n0, t, row_ok, d, T, nb, nstat,
          D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, SPAN: tl.constexpr,
          GROUP: tl.constexpr, RHO_BITS: tl.constexpr, ONE_GROUP: tl.constexpr):
-    """Rows ``t`` ([BN, 1], the first is ``n0``) x channels ``d`` ([1, DP]) of one KV head's block,
-    float32, 0 where not ``ok``. ``ONE_GROUP``: the rows lie in one token group (INT_TOKENS), so
-    one row of scale/offset serves the tile."""
+    """Rows ``t`` ([BN, 1], the first is ``n0``, valid where ``row_ok``) x channels ``d`` ([1, DP])
+    of one KV head's block, float32, 0 outside. ``ONE_GROUP``: the rows lie in one token group
+    (INT_TOKENS), so one row of scale/offset serves the tile. Whole-byte codes (2, 4, 8 bits) of a
+    power-of-two head_dim >= 16 load each byte once (:func:`unpack_bytes`) and, for values, each
+    (token, channel group) scale/offset once."""
+    ok = row_ok & (d < D)
     row = bh.to(tl.int64) * T + t
     if KIND == 4:  # DENSE float16
         x = tl.load(codes + row * D + d, mask=ok, other=0.0).to(tl.float32)
@@ -65,21 +86,31 @@ def tile(codes, aux0, aux1, bh, n0, t, d, ok, T, nb, nstat,
         direction = tl.load(aux1 + (code >> RHO_BITS) * 3 + (d - 3 * i), mask=ok, other=0.0)
         x = rho * direction
     else:
-        code = unpack_at(codes + row * nb, d, nb, BITS, SPAN, ok)
+        if (BITS == 2 or BITS == 4 or BITS == 8) and D >= 16 and (D & (D - 1)) == 0:
+            code = unpack_bytes(codes + row * nb, row_ok, BITS, D * BITS // 8)
+        else:
+            code = unpack_at(codes + row * nb, d, nb, BITS, SPAN, ok)
         if KIND == 2:  # CODEBOOK
             x = tl.load(aux0 + code, mask=ok, other=0.0)
         else:
             if KIND == 0 and ONE_GROUP:  # INT_TOKENS, one stats row [1, DP]
                 stat = (bh.to(tl.int64) * nstat + n0 // GROUP) * D + d
-                stat_ok = d < D
+                s = tl.load(aux0 + stat, mask=d < D, other=0.0).to(tl.float32)
+                o = tl.load(aux1 + stat, mask=d < D, other=0.0).to(tl.float32)
             elif KIND == 0:  # INT_TOKENS: stats [bh, token group, d]
                 stat = (bh.to(tl.int64) * nstat + t // GROUP) * D + d
-                stat_ok = ok
-            else:  # INT_CHANNELS: stats [bh, t, channel group]
+                s = tl.load(aux0 + stat, mask=ok, other=0.0).to(tl.float32)
+                o = tl.load(aux1 + stat, mask=ok, other=0.0).to(tl.float32)
+            elif (BITS == 2 or BITS == 4 or BITS == 8) and D >= 16 and (D & (D - 1)) == 0:  # INT_CHANNELS: [BN, D // GROUP] stats, broadcast over each group's channels
+                g = tl.arange(0, D // GROUP)[None, :]
+                s = tl.load(aux0 + row * nstat + g, mask=row_ok, other=0.0).to(tl.float32)
+                o = tl.load(aux1 + row * nstat + g, mask=row_ok, other=0.0).to(tl.float32)
+                s = tl.reshape(tl.broadcast_to(s[:, :, None], (row_ok.shape[0], D // GROUP, GROUP)), (row_ok.shape[0], D))
+                o = tl.reshape(tl.broadcast_to(o[:, :, None], (row_ok.shape[0], D // GROUP, GROUP)), (row_ok.shape[0], D))
+            else:  # INT_CHANNELS: stats [bh, t, channel group], gathered per channel
                 stat = row * nstat + d // GROUP
-                stat_ok = ok
-            s = tl.load(aux0 + stat, mask=stat_ok, other=0.0).to(tl.float32)
-            o = tl.load(aux1 + stat, mask=stat_ok, other=0.0).to(tl.float32)
+                s = tl.load(aux0 + stat, mask=ok, other=0.0).to(tl.float32)
+                o = tl.load(aux1 + stat, mask=ok, other=0.0).to(tl.float32)
             x = code.to(tl.float32) * s + o
     return tl.where(ok, x, 0.0)
 
@@ -112,11 +143,10 @@ def _decode_kernel(codes, aux0, aux1, tscale, out_ptr, T, HK, nb, nstat,
     t1 = tl.program_id(1) * BN + tl.arange(0, BN)
     t = t1[:, None]
     d = tl.arange(0, DP)[None, :]
-    ok = (t < T) & (d < D)
-    x = tile(codes, aux0, aux1, bh, tl.program_id(1) * BN, t, d, ok, T, nb, nstat, D, KIND, BITS, SPAN, GROUP,
+    x = tile(codes, aux0, aux1, bh, tl.program_id(1) * BN, t, t < T, d, T, nb, nstat, D, KIND, BITS, SPAN, GROUP,
              RHO_BITS, False)
     x = x * token_scale(tscale, bh, t1, t1 < T, T, HK, SCALE)[:, None]
-    tl.store(out_ptr + (bh.to(tl.int64) * T + t) * D + d, x, mask=ok)
+    tl.store(out_ptr + (bh.to(tl.int64) * T + t) * D + d, x, mask=(t < T) & (d < D))
 
 
 def decode(s: Stored, shape) -> torch.Tensor:

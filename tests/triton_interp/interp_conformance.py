@@ -37,3 +37,18 @@ def test_conformance(method: str) -> None:
                                   spec_params=PARAMS[method], exact_codes=method in EXACT)
     print(report.line())
     assert report.examples >= 3 and report.codes_compared > 0
+
+
+@pytest.mark.parametrize(("method", "params"), [
+    ("oscar", dict(bits=2, key_group=16, value_group=16)),   # whole bytes, one key-stats row per tile
+    ("oscar", dict(bits=4, key_group=32, value_group=64)),
+    ("oscar", dict(bits=8, key_group=128, value_group=128)),
+    ("oscar", dict(bits=3, key_group=16, value_group=16)),   # codes straddle bytes: gathered path
+    ("kivi", dict(bits=2, group=8)),                         # groups below 16 tokens: stats gathered
+], ids=lambda x: str(x))
+def test_tile_paths(method: str, params: dict) -> None:
+    """Fixed cases through each tile-decoding path (the drawn examples may miss some)."""
+    spec = registry.make_spec(method, head_dim=128, **params)
+    case = testing.Case(spec, batch=1, kv_heads=2, tokens=70, gqa=4, q_len=2, dtype="float32",
+                        regime="outliers", seed=70)
+    assert testing.check_case("triton", case).codes_compared == 2 * 1 * 2 * 70 * 128
