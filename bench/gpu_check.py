@@ -92,7 +92,8 @@ def gpu_backends(plan: Plan, only: list[str] | None, skip: list[str]) -> dict[st
                 print(f"backend {name}: {method} not served on {plan.device}: {why}")
         if methods:
             found[name] = methods
-    return found
+    # GPU-first backends before the eager torch one, so the budget serves them first
+    return dict(sorted(found.items(), key=lambda item: (item[0] == "torch", item[0])))
 
 
 def served_params(backend: str, method: str, device: str) -> dict[str, tuple]:

@@ -1,6 +1,6 @@
 """KIVI on Triton (mirrors ``kvq_numpy/kivi.py``): keys per channel over token groups, values per
-token over channel groups, float minimum as the zero-point; no rotation, so attention reads the
-queries as they are."""
+token over channel groups, the float group minimum as the zero-point. No rotation, so the fused
+attention reads the queries as they are."""
 from __future__ import annotations
 
 import torch
@@ -11,14 +11,14 @@ from kvq_triton.tiles import INT_CHANNELS, INT_TOKENS, Stored
 
 
 class KiviTriton(TorchMethod):
-    def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
-        return intcodes.quantize(k, self.spec.bits, self.spec.group, along_tokens=True, integer_zero=False)
-
     def _keys(self, fields: Fields) -> Stored:
         return Stored(INT_TOKENS, fields["codes"], self.spec.bits, fields["scale"], fields["offset"], group=self.spec.group)
 
     def _values(self, fields: Fields) -> Stored:
         return Stored(INT_CHANNELS, fields["codes"], self.spec.bits, fields["scale"], fields["offset"], group=self.spec.group)
+
+    def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
+        return intcodes.quantize(k, self.spec.bits, self.spec.group, along_tokens=True, integer_zero=False)
 
     def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
         return tiles.decode(self._keys(fields), ctx.shape)
