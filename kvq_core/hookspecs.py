@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvq_core.registry import BackendInfo, MethodInfo
+    from kvq_core.kernels import BackendInfo, MethodInfo
 
 PROJECT = "kvq"
 ENTRY_POINT_GROUP = "kvq.plugins"

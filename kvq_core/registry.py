@@ -2,8 +2,17 @@
 
 Built-in plugins (``DEFAULT_PLUGINS``) register through the same hooks as third-party ones,
 which load from the ``kvq.plugins`` entry-point group unless ``KVQ_DISABLE_PLUGINS=1``.
-A plugin that fails to import, or implements a misspelt hook, is recorded as unavailable with
-its error; it never breaks ``import kvq_core``.
+
+A failure stays where it happens:
+
+- a plugin that fails to import, implements a misspelt hook, or raises in a hook (a duplicate
+  name, say) is recorded as unavailable with its error, and *none* of its registrations are
+  kept (a hook's registrations count only when the hook finishes);
+- a method's spec class and each entry of a backend's kernel table may be lazy
+  ``"module:Attr"`` references, resolved separately on first use: a failing import makes only
+  that method, or that backend's kernels for it, unavailable, with the reason.
+
+Nothing here ever breaks ``import kvq_core``.
 """
 from __future__ import annotations
 
@@ -14,19 +23,21 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import pluggy
 
 from kvq_core import hookspecs
 from kvq_core.errors import (
     BackendUnavailableError,
-    KVQError,
+    MethodUnavailableError,
     PluginError,
     SpecError,
     UnknownBackendError,
     UnknownMethodError,
 )
+from kvq_core.kernels import ArrayAdapter, BackendInfo, MethodInfo, resolve
+from kvq_core.layout import set_spec_resolver
 from kvq_core.spec import MethodSpec
 
 # (plugin name, module) of the built-ins; backends whose imports fail are listed unavailable.
@@ -38,71 +49,70 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
 DISABLE_ENV = "KVQ_DISABLE_PLUGINS"
 
 
-class ArrayAdapter(Protocol):
-    """How the core talks to a backend's array type without importing it."""
-
-    def asarray(self, x: Any) -> Any:
-        """Convert a NumPy array (or the backend's own array) to the backend's array type."""
-
-    def to_numpy(self, x: Any) -> Any:
-        """Convert a backend array to NumPy."""
-
-    def all_finite(self, x: Any) -> bool:
-        """True when no element is NaN or infinite."""
-
-    def cast(self, x: Any, dtype: str) -> Any:
-        """``x`` in the floating dtype named ``dtype`` (e.g. "float16", "bfloat16"), where it exists."""
-
-    # Optional: ``concat(xs, axis)`` joins backend arrays; without it the core joins packed
-    # blocks through NumPy (:func:`kvq_core.layout.concat_tokens`).
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodInfo:
-    """A method: its name, spec class and one-line summary."""
-
-    name: str
-    spec_cls: type[MethodSpec]
-    summary: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendInfo:
-    """A backend: a table from method name to kernel class (called with the spec).
-
-    ``is_available`` returns ``(True, None)`` or ``(False, reason)``; it is asked lazily.
-    """
-
-    name: str
-    kernels: Mapping[str, Callable[[MethodSpec], Any]]
-    arrays: ArrayAdapter
-    is_available: Callable[[], tuple[bool, str | None]] = lambda: (True, None)
-    summary: str = ""
-
-
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """What ``list_methods`` / ``list_backends`` / ``list_plugins`` return."""
+    """What ``list_methods`` / ``list_backends`` / ``list_plugins`` return.
+
+    ``detail`` lists the backends of a method, or the methods a backend serves; ``problems``
+    the parts that failed (``"name: reason"``), e.g. one method's kernels that did not import.
+    """
 
     name: str
     available: bool
     reason: str | None
     origin: str
     detail: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class _Lazy:
+    """A lazily resolved reference and the outcome of resolving it (value or reason)."""
+
+    __slots__ = ("ref", "_value", "_error", "_done")
+
+    def __init__(self, ref: Any) -> None:
+        self.ref, self._value, self._error, self._done = ref, None, None, False
+
+    def get(self) -> tuple[Any, str | None]:
+        if not self._done:
+            try:
+                self._value = resolve(self.ref)
+            except Exception as exc:  # any import failure stays with this entry
+                self._error = _why(exc)
+            self._done = True
+        return self._value, self._error
+
+
+@dataclasses.dataclass
+class _Method:
+    info: MethodInfo
+    origin: str
+    spec: _Lazy
+
+
+@dataclasses.dataclass
+class _Backend:
+    info: BackendInfo
+    origin: str
+    kernels: dict[str, _Lazy]
+
+
 @dataclasses.dataclass
 class _State:
     pm: pluggy.PluginManager
-    methods: dict[str, tuple[MethodInfo, str]]
-    backends: dict[str, tuple[BackendInfo, str]]
+    methods: dict[str, _Method]
+    backends: dict[str, _Backend]
     plugins: list[Record]
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _state: _State | None = None
 
 
@@ -113,23 +123,22 @@ def _origin_of(plugin_name: str, dist: str | None) -> str:
 def _load() -> _State:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    plugins: list[Record] = []
+    plugins: dict[str, Record] = {}
     pm.register(sys.modules[__name__], name="kvq-core")
 
     def try_register(name: str, load: Callable[[], Any], origin: str) -> None:
         try:
-            module = load()
-            pm.register(module, name=name)
+            pm.register(load(), name=name)
         except Exception as exc:  # any import/validation failure leaves the plugin unavailable
-            plugins.append(Record(name, False, f"{type(exc).__name__}: {exc}", origin))
+            plugins[name] = Record(name, False, _why(exc), origin)
             return
         try:
             pm.check_pending()
         except pluggy.PluginValidationError as exc:
             pm.unregister(name=name)
-            plugins.append(Record(name, False, f"PluginValidationError: {exc}", origin))
+            plugins[name] = Record(name, False, _why(exc), origin)
             return
-        plugins.append(Record(name, True, None, origin))
+        plugins[name] = Record(name, True, None, origin)
 
     for name, module in DEFAULT_PLUGINS:
         try_register(name, lambda m=module: importlib.import_module(m), _origin_of(name, None))
@@ -138,32 +147,34 @@ def _load() -> _State:
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
             try_register(ep.name, ep.load, _origin_of(ep.name, dist))
 
-    methods: dict[str, tuple[MethodInfo, str]] = {}
-    backends: dict[str, tuple[BackendInfo, str]] = {}
+    methods: dict[str, _Method] = {}
+    backends: dict[str, _Backend] = {}
     for plugin_name, plugin in pm.list_name_plugin():
-        origin = next((r.origin for r in plugins if r.name == plugin_name), "built-in kvq-core")
-        for hook, table, kind in (
-            (plugin and getattr(plugin, "kvq_register_methods", None), methods, MethodInfo),
-            (plugin and getattr(plugin, "kvq_register_backends", None), backends, BackendInfo),
-        ):
-            if hook is None:
-                continue
+        origin = plugins[plugin_name].origin if plugin_name in plugins else "built-in kvq-core"
+        pending: dict[type, dict[str, Any]] = {MethodInfo: {}, BackendInfo: {}}
 
-            def register(info: Any, table: dict = table, kind: type = kind, origin: str = origin) -> None:
-                if not isinstance(info, kind):
-                    raise PluginError(f"{origin} registered {info!r}; expected a {kind.__name__}")
-                if info.name in table:
-                    raise PluginError(f"{origin} registers {kind.__name__} {info.name!r}, already from {table[info.name][1]}")
-                table[info.name] = (info, origin)
+        def register(info: Any, kind: type, table: dict, origin: str = origin, pending: dict = pending) -> None:
+            if not isinstance(info, kind):
+                raise PluginError(f"{origin} registered {info!r}; expected a {kind.__name__}")
+            taken = table.get(info.name) or pending[kind].get(info.name)
+            if taken is not None:
+                raise PluginError(f"{origin} registers {kind.__name__} {info.name!r}, already from {taken.origin}")
+            if kind is MethodInfo:
+                pending[kind][info.name] = _Method(info, origin, _Lazy(info.spec_cls))
+            else:
+                pending[kind][info.name] = _Backend(info, origin, {m: _Lazy(f) for m, f in info.kernels.items()})
 
-            try:
-                hook(register=register)
-            except Exception as exc:
-                plugins[:] = [
-                    Record(r.name, False, f"{type(exc).__name__}: {exc}", r.origin) if r.name == plugin_name else r
-                    for r in plugins
-                ]
-    return _State(pm, methods, backends, plugins)
+        try:  # a plugin's registrations count only when all its hooks finish
+            if hasattr(plugin, "kvq_register_methods"):
+                plugin.kvq_register_methods(register=lambda i: register(i, MethodInfo, methods))
+            if hasattr(plugin, "kvq_register_backends"):
+                plugin.kvq_register_backends(register=lambda i: register(i, BackendInfo, backends))
+        except Exception as exc:
+            plugins[plugin_name] = Record(plugin_name, False, _why(exc), origin)
+            continue
+        methods.update(pending[MethodInfo])
+        backends.update(pending[BackendInfo])
+    return _State(pm, methods, backends, list(plugins.values()))
 
 
 def state() -> _State:
@@ -182,34 +193,38 @@ def reload() -> None:
         _state = None
 
 
-def method_info(name: str) -> MethodInfo:
+# ------------------------------------------------------------------------------------------------
+# methods
+# ------------------------------------------------------------------------------------------------
+def _method(name: str) -> _Method:
     try:
-        return state().methods[name][0]
+        return state().methods[name]
     except KeyError:
-        raise UnknownMethodError(f"unknown method {name!r}; registered: {', '.join(sorted(state().methods))}") from None
-
-
-def backend_info(name: str) -> BackendInfo:
-    try:
-        return state().backends[name][0]
-    except KeyError:
-        known = sorted(state().backends)
         failed = [f"{r.name} ({r.reason})" for r in state().plugins if not r.available]
         extra = f"; plugins that failed to load: {'; '.join(failed)}" if failed else ""
-        raise UnknownBackendError(f"unknown backend {name!r}; registered: {', '.join(known)}{extra}") from None
+        raise UnknownMethodError(f"unknown method {name!r}; registered: {', '.join(sorted(state().methods))}{extra}") from None
 
 
-def backend_status(name: str) -> tuple[bool, str | None]:
-    info = backend_info(name)
-    try:
-        return info.is_available()
-    except Exception as exc:
-        return False, f"{type(exc).__name__}: {exc}"
+def method_status(name: str) -> tuple[bool, str | None]:
+    """``(True, None)`` when the method's spec class imports, else ``(False, reason)``."""
+    spec_cls, error = _method(name).spec.get()
+    return (False, error) if error else (True, None)
+
+
+def method_info(name: str) -> MethodInfo:
+    """The method's record with its spec class resolved; raises MethodUnavailableError with the reason."""
+    entry = _method(name)
+    spec_cls, error = entry.spec.get()
+    if error:
+        raise MethodUnavailableError(f"{name} is unavailable: {error}")
+    if not (isinstance(spec_cls, type) and issubclass(spec_cls, MethodSpec)):
+        raise MethodUnavailableError(f"{name} is unavailable: {entry.info.spec_cls!r} is not a MethodSpec subclass")
+    return dataclasses.replace(entry.info, spec_cls=spec_cls)
 
 
 def make_spec(method: str, **params: Any) -> MethodSpec:
     """The validated spec of ``method`` with ``params`` (unknown ones raise SpecError)."""
-    return method_info(method).spec_cls.from_params(params)
+    return method_info(method).spec_cls.from_params(params)  # type: ignore[union-attr]
 
 
 def spec_from_dict(data: Mapping[str, Any]) -> MethodSpec:
@@ -220,42 +235,135 @@ def spec_from_dict(data: Mapping[str, Any]) -> MethodSpec:
     return make_spec(str(data["method"]), **params)
 
 
-def select_backend(method: str, device: str | None = None) -> str:
-    """Resolve ``backend="auto"`` through the firstresult hook ``kvq_select_backend``."""
-    candidates = [n for n, (info, _) in state().backends.items() if method in info.kernels and backend_status(n)[0]]
+set_spec_resolver(spec_from_dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# backends
+# ------------------------------------------------------------------------------------------------
+def _backend(name: str) -> _Backend:
+    try:
+        return state().backends[name]
+    except KeyError:
+        known = sorted(state().backends)
+        failed = [f"{r.name} ({r.reason})" for r in state().plugins if not r.available]
+        extra = f"; plugins that failed to load: {'; '.join(failed)}" if failed else ""
+        raise UnknownBackendError(f"unknown backend {name!r}; registered: {', '.join(known)}{extra}") from None
+
+
+def backend_info(name: str) -> BackendInfo:
+    return _backend(name).info
+
+
+def backend_status(name: str) -> tuple[bool, str | None]:
+    """Whether the backend as a whole can run here (its ``is_available``)."""
+    info = _backend(name).info
+    try:
+        return info.is_available()
+    except Exception as exc:
+        return False, _why(exc)
+
+
+def kernel_factory(backend: str, method: str) -> Callable[[MethodSpec], Any]:
+    """The backend's kernel factory for ``method``; raises BackendUnavailableError naming why not."""
+    entry = _backend(backend)
+    lazy = entry.kernels.get(method)
+    if lazy is None:
+        raise BackendUnavailableError(
+            f"backend {backend!r} has no kernels for method {method!r}; it implements {sorted(entry.kernels)}")
+    factory, error = lazy.get()
+    if error:
+        raise BackendUnavailableError(f"backend {backend!r} cannot serve {method!r}: its kernels failed to load: {error}")
+    return factory
+
+
+def serves(backend: str, method: str) -> tuple[bool, str | None]:
+    """Whether ``backend`` is available and its kernels for ``method`` load."""
+    ok, reason = backend_status(backend)
+    if not ok:
+        return False, f"backend {backend!r} is unavailable here: {reason}"
+    try:
+        kernel_factory(backend, method)
+    except BackendUnavailableError as exc:
+        return False, str(exc)
+    return True, None
+
+
+def supports(backend: str, spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
+    """Whether ``backend`` can serve ``spec`` on ``device`` (None: NumPy arrays), with the reason if not."""
+    ok, reason = serves(backend, spec.method)
+    if not ok:
+        return ok, reason
+    check = _backend(backend).info.supports
+    if check is None:
+        return True, None
+    try:
+        ok, reason = check(spec, device)
+    except Exception as exc:
+        return False, f"backend {backend!r}: supports() raised {_why(exc)}"
+    return (True, None) if ok else (False, f"backend {backend!r} cannot serve {spec.describe()} on "
+                                           f"{device or 'NumPy arrays'}: {reason}")
+
+
+def select_backend(spec: MethodSpec | str, device: str | None = None) -> str:
+    """Resolve ``backend="auto"`` through the firstresult hook ``kvq_select_backend``.
+
+    Candidates are the backends that can serve the spec on ``device``; ``spec`` may be a method
+    name (then only availability and kernels are checked)."""
+    method = spec if isinstance(spec, str) else spec.method
+    why: list[str] = []
+    candidates = []
+    for name in state().backends:
+        if method not in state().backends[name].kernels:
+            continue
+        ok, reason = serves(name, method) if isinstance(spec, str) else supports(name, spec, device)
+        if ok:
+            candidates.append(name)
+        else:
+            why.append(str(reason))
     if not candidates:
-        raise BackendUnavailableError(f"no available backend implements method {method!r}")
+        ok, reason = method_status(method)
+        detail = reason if not ok else ("; ".join(why) or "no backend implements it")
+        raise BackendUnavailableError(f"no available backend serves method {method!r}: {detail}")
     chosen = state().pm.hook.kvq_select_backend(method=method, device=device, candidates=candidates)
     if chosen not in candidates:
         raise BackendUnavailableError(f"backend selection returned {chosen!r}; candidates were {candidates}")
     return chosen
 
 
+# ------------------------------------------------------------------------------------------------
+# listings
+# ------------------------------------------------------------------------------------------------
 def list_methods() -> list[Record]:
-    """One record per method; available when some available backend implements it."""
+    """One record per method; available when its spec imports and some available backend serves it."""
     out = []
-    for name, (info, origin) in sorted(state().methods.items()):
-        backends = tuple(b for b, (bi, _) in sorted(state().backends.items()) if name in bi.kernels)
-        usable = [b for b in backends if backend_status(b)[0]]
-        reason = None if usable else "no available backend implements it"
-        out.append(Record(name, bool(usable), reason, origin, backends))
+    for name, entry in sorted(state().methods.items()):
+        backends = tuple(b for b, e in sorted(state().backends.items()) if name in e.kernels)
+        ok, reason = method_status(name)
+        if ok:
+            usable = [b for b in backends if serves(b, name)[0]]
+            ok, reason = (True, None) if usable else (False, "no available backend serves it")
+        out.append(Record(name, ok, reason, entry.origin, backends))
     return out
 
 
 def list_backends() -> list[Record]:
-    """One record per backend, plus one per plugin that failed to load (unavailable, with why)."""
+    """One record per backend: available or why not, the methods it serves, and the ones whose
+    kernels failed to load. Plugins that failed before registering anything are in
+    :func:`list_plugins`."""
     out = []
-    for name, (info, origin) in sorted(state().backends.items()):
+    for name, entry in sorted(state().backends.items()):
         ok, reason = backend_status(name)
-        out.append(Record(name, ok, reason, origin, tuple(sorted(info.kernels))))
-    registered = {r.origin for r in out}
-    for rec in state().plugins:
-        if not rec.available and rec.origin not in registered:
-            out.append(rec)
+        served, problems = [], []
+        for method, lazy in sorted(entry.kernels.items()):
+            _, error = lazy.get() if ok else (None, None)
+            (problems.append(f"{method}: {error}") if error else served.append(method))
+        out.append(Record(name, ok, reason, entry.origin, tuple(served), tuple(problems)))
     return out
 
 
 def list_plugins() -> list[Record]:
+    """One record per plugin (built-in or third-party): loaded, or why not."""
     return list(state().plugins)
 
 
@@ -266,6 +374,7 @@ def kvq_select_backend(method: str, device: str | None, candidates: list[str]) -
 
 
 __all__ = [
-    "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "KVQError", "DEFAULT_PLUGINS",
-    "list_methods", "list_backends", "list_plugins", "make_spec", "spec_from_dict", "select_backend",
+    "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "DEFAULT_PLUGINS", "backend_info", "backend_status",
+    "kernel_factory", "list_backends", "list_methods", "list_plugins", "make_spec", "method_info", "method_status",
+    "select_backend", "serves", "spec_from_dict", "supports",
 ]
