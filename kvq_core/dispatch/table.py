@@ -14,6 +14,7 @@ from typing import Any
 
 from kvq_core.errors import BackendUnavailableError
 from kvq_core.kernels import resolve
+from kvq_core.registry import spec_from_dict
 
 _table: dict[tuple[str, str], Any] = {}
 _lock = threading.Lock()
@@ -31,8 +32,6 @@ def register_kernel(backend: str, method: str, factory: "str | Callable[[Any], A
 @functools.lru_cache(maxsize=1024)
 def spec_from_json(spec_json: str) -> Any:
     """The spec a ``kvq::`` op's ``spec_json`` string names (cached per string)."""
-    from kvq_core.registry import spec_from_dict  # the registry sits above; imported at call time
-
     return spec_from_dict(json.loads(spec_json))
 
 
