@@ -25,8 +25,8 @@ import numpy as np
 if TYPE_CHECKING:  # pragma: no cover
     from kvq_core.spec import MethodSpec
 
-#: ``supports(spec, device) -> (ok, reason)``; ``device`` is None for NumPy input, else a torch
-#: device string such as ``"cpu"`` or ``"cuda:0"``.
+#: ``supports(spec, device) -> (ok, reason)``; ``device`` is None for NumPy input, else a device
+#: type such as ``"cpu"`` or ``"cuda"`` (the registry strips an index: "cuda:0" is asked as "cuda").
 Supports = Callable[["MethodSpec", "str | None"], "tuple[bool, str | None]"]
 
 

@@ -290,13 +290,15 @@ def serves(backend: str, method: str) -> tuple[bool, str | None]:
 
 
 def supports(backend: str, spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
-    """Whether ``backend`` can serve ``spec`` on ``device`` (None: NumPy arrays), with the reason if not."""
+    """Whether ``backend`` can serve ``spec`` on ``device`` (None: NumPy arrays; "cuda:0" is asked
+    as "cuda"), with the reason if not."""
     ok, reason = serves(backend, spec.method)
     if not ok:
         return ok, reason
     check = _backend(backend).info.supports
     if check is None:
         return True, None
+    device = device.split(":")[0] if device else None  # backends see a device type: "cpu", "cuda"
     try:
         ok, reason = check(spec, device)
     except Exception as exc:
