@@ -1,7 +1,11 @@
-"""The plugin registry: a pluggy PluginManager that collects methods and backends.
+"""The plugin registry: a pluggy PluginManager that collects methods, backends and kernels.
 
-Built-in plugins (``DEFAULT_PLUGINS``) register through the same hooks as third-party ones,
-which load from the ``kvq.plugins`` entry-point group unless ``KVQ_DISABLE_PLUGINS=1``.
+Every plugin, built-in or third-party, is a module named in the ``kvq.plugins`` entry-point
+group. kvq's own entries (``pyproject.toml``: the method catalogue, numpy, torch) are the
+built-ins, always loaded (:func:`builtin_plugins` says where they are read from); other
+distributions' entries load unless ``KVQ_DISABLE_PLUGINS=1``. Hooks run in two passes: every
+plugin's methods and backends, then every plugin's kernels for backends registered by others
+(``kvq_register_kernels``), so a plugin may add kernels to any backend whatever the load order.
 
 A failure stays where it happens:
 
@@ -23,6 +27,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -40,12 +45,13 @@ from kvq_core.kernels import ArrayAdapter, BackendInfo, MethodInfo, resolve
 from kvq_core.layout import set_spec_resolver
 from kvq_core.spec import MethodSpec
 
-# (plugin name, module) of the built-ins; backends whose imports fail are listed unavailable.
-DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("kvq-methods", "kvq_core.methods"),
-    ("numpy", "kvq_numpy.plugin"),
-    ("torch", "kvq_torch.plugin"),
-)
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the built-ins are read from kvq's installed metadata
+    tomllib = None  # type: ignore[assignment]
+
+#: The distribution whose ``kvq.plugins`` entry points are the built-ins.
+KVQ_DIST = "kvq"
 DISABLE_ENV = "KVQ_DISABLE_PLUGINS"
 
 
@@ -53,8 +59,10 @@ DISABLE_ENV = "KVQ_DISABLE_PLUGINS"
 class Record:
     """What ``list_methods`` / ``list_backends`` / ``list_plugins`` return.
 
-    ``detail`` lists the backends of a method, or the methods a backend serves; ``problems``
-    the parts that failed (``"name: reason"``), e.g. one method's kernels that did not import.
+    ``detail`` lists the backends of a method, the methods a backend serves, or what a plugin
+    registered (``"method fp8"``, ``"kernels numpy/fp8"``); ``problems`` the parts that failed
+    (``"name: reason"``), e.g. one method's kernels that did not import, or a plugin's kernels
+    for a backend that is not registered here.
     """
 
     name: str
@@ -102,6 +110,8 @@ class _Backend:
     info: BackendInfo
     origin: str
     kernels: dict[str, _Lazy]
+    #: method -> origin of kernels another plugin added (``kvq_register_kernels``)
+    added: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -120,6 +130,32 @@ def _origin_of(plugin_name: str, dist: str | None) -> str:
     return f"plugin {plugin_name} ({dist})" if dist else f"built-in {plugin_name}"
 
 
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
+    return ep.dist.name if ep.dist is not None else None
+
+
+def builtin_plugins() -> tuple[tuple[tuple[str, str], ...], str]:
+    """kvq's own ``kvq.plugins`` entry points as ``(name, "module")`` pairs, and where they were read.
+
+    The table of the kvq being imported: the ``pyproject.toml`` of the source checkout that
+    ``kvq_core`` sits in (a PYTHONPATH run, or an editable install whose metadata may predate the
+    table), else the installed distribution's metadata (a wheel). Adding a backend is one line
+    in that table; no core file changes."""
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if tomllib is not None and pyproject.is_file():
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+        if project.get("name") == KVQ_DIST:
+            table = project.get("entry-points", {}).get(hookspecs.ENTRY_POINT_GROUP, {})
+            return tuple((str(k), str(v)) for k, v in table.items()), str(pyproject)
+    eps = importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
+    return tuple((ep.name, ep.value) for ep in eps if _dist_name(ep) == KVQ_DIST), f"the installed {KVQ_DIST} metadata"
+
+
+def _import_ref(ref: str) -> Any:
+    """An entry point's object: a module (``"pkg.mod"``) or an attribute (``"pkg.mod:obj"``)."""
+    return resolve(ref) if ":" in ref else importlib.import_module(ref)
+
+
 def _load() -> _State:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
@@ -127,6 +163,8 @@ def _load() -> _State:
     pm.register(sys.modules[__name__], name="kvq-core")
 
     def try_register(name: str, load: Callable[[], Any], origin: str) -> None:
+        if name in plugins:  # two distributions chose one entry-point name: keep both records
+            name = f"{name} [{origin}]"
         try:
             pm.register(load(), name=name)
         except Exception as exc:  # any import/validation failure leaves the plugin unavailable
@@ -140,15 +178,30 @@ def _load() -> _State:
             return
         plugins[name] = Record(name, True, None, origin)
 
-    for name, module in DEFAULT_PLUGINS:
-        try_register(name, lambda m=module: importlib.import_module(m), _origin_of(name, None))
+    table, source = builtin_plugins()
+    if not table:
+        plugins[KVQ_DIST] = Record(KVQ_DIST, False, f"no built-in plugins: {source} has no [project.entry-points."
+                                   f"\"{hookspecs.ENTRY_POINT_GROUP}\"] table; reinstall kvq (pip install -e .)",
+                                   f"built-in ({source})")
+    for name, ref in table:
+        try_register(name, lambda r=ref: _import_ref(r), _origin_of(name, None))
     if os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes"):
         for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+            if _dist_name(ep) == KVQ_DIST:
+                continue  # the built-ins, loaded above
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
             try_register(ep.name, ep.load, _origin_of(ep.name, dist))
 
     methods: dict[str, _Method] = {}
     backends: dict[str, _Backend] = {}
+    registered: dict[str, list[str]] = {}  # plugin -> what it registered ("method x", "backend y", ...)
+
+    def fail(plugin_name: str, exc: Exception) -> None:
+        record = plugins.get(plugin_name)
+        origin = record.origin if record else "built-in kvq-core"
+        plugins[plugin_name] = Record(plugin_name, False, _why(exc), origin)
+
+    # pass 1: methods and backends; a plugin's registrations count only when all its hooks finish
     for plugin_name, plugin in pm.list_name_plugin():
         origin = plugins[plugin_name].origin if plugin_name in plugins else "built-in kvq-core"
         pending: dict[type, dict[str, Any]] = {MethodInfo: {}, BackendInfo: {}}
@@ -164,16 +217,62 @@ def _load() -> _State:
             else:
                 pending[kind][info.name] = _Backend(info, origin, {m: _Lazy(f) for m, f in info.kernels.items()})
 
-        try:  # a plugin's registrations count only when all its hooks finish
+        try:
             if hasattr(plugin, "kvq_register_methods"):
                 plugin.kvq_register_methods(register=lambda i: register(i, MethodInfo, methods))
             if hasattr(plugin, "kvq_register_backends"):
                 plugin.kvq_register_backends(register=lambda i: register(i, BackendInfo, backends))
         except Exception as exc:
-            plugins[plugin_name] = Record(plugin_name, False, _why(exc), origin)
+            fail(plugin_name, exc)
             continue
         methods.update(pending[MethodInfo])
         backends.update(pending[BackendInfo])
+        registered[plugin_name] = [f"method {m}" for m in pending[MethodInfo]] + [f"backend {b}" for b in pending[BackendInfo]]
+
+    # pass 2: kernels for backends registered by any plugin (all or nothing per plugin, as above)
+    for plugin_name, plugin in pm.list_name_plugin():
+        if plugin_name not in registered or not hasattr(plugin, "kvq_register_kernels"):
+            continue
+        origin = plugins[plugin_name].origin
+        added: dict[tuple[str, str], Any] = {}
+        skipped: list[str] = []
+
+        def register_kernels(backend: str, method: str, factory: Any, origin: str = origin,
+                             added: dict = added, skipped: list = skipped) -> None:
+            if not (isinstance(backend, str) and isinstance(method, str)):
+                raise PluginError(f"{origin} registered kernels for ({backend!r}, {method!r}); expected two names")
+            if backend not in backends:
+                skipped.append(f"kernels {backend}/{method}: backend {backend!r} is not registered here")
+                return
+            entry = backends[backend]
+            if method in entry.kernels or (backend, method) in added:
+                owner = entry.added.get(method, entry.origin) if method in entry.kernels else origin
+                raise PluginError(f"{origin} registers kernels for {method!r} on backend {backend!r}, already from {owner}")
+            added[(backend, method)] = factory
+
+        try:
+            plugin.kvq_register_kernels(register=register_kernels)
+            for (backend, method), factory in added.items():  # each backend's adapter, once the hook finished
+                make = backends[backend].info.kernel_entry
+                added[(backend, method)] = make(method, factory) if make is not None else factory
+        except Exception as exc:
+            for item in registered.pop(plugin_name):  # take back its methods and backends too
+                kind, _, name = item.partition(" ")
+                (methods if kind == "method" else backends).pop(name, None)
+            fail(plugin_name, exc)
+            continue
+        for (backend, method), entry in added.items():
+            target = backends[backend]
+            target.kernels[method] = _Lazy(entry)
+            target.added[method] = origin
+            target.info = dataclasses.replace(target.info, kernels={**target.info.kernels, method: entry})
+            registered[plugin_name].append(f"kernels {backend}/{method}")
+        if skipped:
+            plugins[plugin_name] = dataclasses.replace(plugins[plugin_name], problems=tuple(skipped))
+
+    for plugin_name, items in registered.items():
+        if plugin_name in plugins:
+            plugins[plugin_name] = dataclasses.replace(plugins[plugin_name], detail=tuple(items))
     return _State(pm, methods, backends, list(plugins.values()))
 
 
@@ -252,6 +351,7 @@ def _backend(name: str) -> _Backend:
 
 
 def backend_info(name: str) -> BackendInfo:
+    """The backend as registered; its ``kernels`` include those other plugins added."""
     return _backend(name).info
 
 
@@ -374,7 +474,7 @@ def kvq_select_backend(method: str, device: str | None, candidates: list[str]) -
 
 
 __all__ = [
-    "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "DEFAULT_PLUGINS", "backend_info", "backend_status",
+    "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "backend_info", "backend_status", "builtin_plugins",
     "kernel_factory", "list_backends", "list_methods", "list_plugins", "make_spec", "method_info", "method_status",
     "select_backend", "serves", "spec_from_dict", "supports",
 ]
