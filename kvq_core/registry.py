@@ -156,11 +156,10 @@ def _import_ref(ref: str) -> Any:
     return resolve(ref) if ":" in ref else importlib.import_module(ref)
 
 
-def _load() -> _State:
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
+def _load_plugins(pm: pluggy.PluginManager) -> dict[str, Record]:
+    """Register the built-ins, then (unless disabled) every other ``kvq.plugins`` entry point;
+    one record per plugin, loaded or failed with the reason."""
     plugins: dict[str, Record] = {}
-    pm.register(sys.modules[__name__], name="kvq-core")
 
     def try_register(name: str, load: Callable[[], Any], origin: str) -> None:
         if name in plugins:  # two distributions chose one entry-point name: keep both records
@@ -191,19 +190,35 @@ def _load() -> _State:
                 continue  # the built-ins, loaded above
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
             try_register(ep.name, ep.load, _origin_of(ep.name, dist))
+    return plugins
 
-    methods: dict[str, _Method] = {}
-    backends: dict[str, _Backend] = {}
-    registered: dict[str, list[str]] = {}  # plugin -> what it registered ("method x", "backend y", ...)
 
-    def fail(plugin_name: str, exc: Exception) -> None:
-        record = plugins.get(plugin_name)
-        origin = record.origin if record else "built-in kvq-core"
-        plugins[plugin_name] = Record(plugin_name, False, _why(exc), origin)
+@dataclasses.dataclass
+class _Collected:
+    """What the hooks registered: methods, backends, and per plugin what it added (its record's detail)."""
 
-    # pass 1: methods and backends; a plugin's registrations count only when all its hooks finish
+    plugins: dict[str, Record]
+    methods: dict[str, _Method] = dataclasses.field(default_factory=dict)
+    backends: dict[str, _Backend] = dataclasses.field(default_factory=dict)
+    registered: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def origin(self, plugin_name: str) -> str:
+        record = self.plugins.get(plugin_name)
+        return record.origin if record else "built-in kvq-core"
+
+    def fail(self, plugin_name: str, exc: Exception) -> None:
+        """The plugin failed: record why and take back everything it registered."""
+        for item in self.registered.pop(plugin_name, []):
+            kind, _, name = item.partition(" ")
+            if kind in ("method", "backend"):
+                (self.methods if kind == "method" else self.backends).pop(name, None)
+        self.plugins[plugin_name] = Record(plugin_name, False, _why(exc), self.origin(plugin_name))
+
+
+def _collect_methods_and_backends(pm: pluggy.PluginManager, got: _Collected) -> None:
+    """Pass 1: each plugin's methods and backends, kept only when all its hooks finish."""
     for plugin_name, plugin in pm.list_name_plugin():
-        origin = plugins[plugin_name].origin if plugin_name in plugins else "built-in kvq-core"
+        origin = got.origin(plugin_name)
         pending: dict[type, dict[str, Any]] = {MethodInfo: {}, BackendInfo: {}}
 
         def register(info: Any, kind: type, table: dict, origin: str = origin, pending: dict = pending) -> None:
@@ -219,61 +234,72 @@ def _load() -> _State:
 
         try:
             if hasattr(plugin, "kvq_register_methods"):
-                plugin.kvq_register_methods(register=lambda i: register(i, MethodInfo, methods))
+                plugin.kvq_register_methods(register=lambda i: register(i, MethodInfo, got.methods))
             if hasattr(plugin, "kvq_register_backends"):
-                plugin.kvq_register_backends(register=lambda i: register(i, BackendInfo, backends))
+                plugin.kvq_register_backends(register=lambda i: register(i, BackendInfo, got.backends))
         except Exception as exc:
-            fail(plugin_name, exc)
+            got.fail(plugin_name, exc)
             continue
-        methods.update(pending[MethodInfo])
-        backends.update(pending[BackendInfo])
-        registered[plugin_name] = [f"method {m}" for m in pending[MethodInfo]] + [f"backend {b}" for b in pending[BackendInfo]]
+        got.methods.update(pending[MethodInfo])
+        got.backends.update(pending[BackendInfo])
+        got.registered[plugin_name] = ([f"method {m}" for m in pending[MethodInfo]]
+                                       + [f"backend {b}" for b in pending[BackendInfo]])
 
-    # pass 2: kernels for backends registered by any plugin (all or nothing per plugin, as above)
+
+def _collect_kernels(pm: pluggy.PluginManager, got: _Collected) -> None:
+    """Pass 2: each plugin's kernels for backends any plugin registered (``kvq_register_kernels``),
+    adapted by the backend's ``kernel_entry``; all or nothing per plugin, its pass-1 work included."""
     for plugin_name, plugin in pm.list_name_plugin():
-        if plugin_name not in registered or not hasattr(plugin, "kvq_register_kernels"):
+        if plugin_name not in got.registered or not hasattr(plugin, "kvq_register_kernels"):
             continue
-        origin = plugins[plugin_name].origin
+        origin = got.origin(plugin_name)
         added: dict[tuple[str, str], Any] = {}
         skipped: list[str] = []
 
-        def register_kernels(backend: str, method: str, factory: Any, origin: str = origin,
-                             added: dict = added, skipped: list = skipped) -> None:
+        def register(backend: str, method: str, factory: Any, origin: str = origin,
+                     added: dict = added, skipped: list = skipped) -> None:
             if not (isinstance(backend, str) and isinstance(method, str)):
                 raise PluginError(f"{origin} registered kernels for ({backend!r}, {method!r}); expected two names")
-            if backend not in backends:
+            if backend not in got.backends:
                 skipped.append(f"kernels {backend}/{method}: backend {backend!r} is not registered here")
                 return
-            entry = backends[backend]
-            if method in entry.kernels or (backend, method) in added:
-                owner = entry.added.get(method, entry.origin) if method in entry.kernels else origin
+            entry = got.backends[backend]
+            if method in entry.kernels:
+                owner = entry.added.get(method, entry.origin)
                 raise PluginError(f"{origin} registers kernels for {method!r} on backend {backend!r}, already from {owner}")
+            if (backend, method) in added:
+                raise PluginError(f"{origin} registers kernels for {method!r} on backend {backend!r} twice")
             added[(backend, method)] = factory
 
         try:
-            plugin.kvq_register_kernels(register=register_kernels)
-            for (backend, method), factory in added.items():  # each backend's adapter, once the hook finished
-                make = backends[backend].info.kernel_entry
+            plugin.kvq_register_kernels(register=register)
+            for (backend, method), factory in added.items():  # the backend's adapter, once the hook finished
+                make = got.backends[backend].info.kernel_entry
                 added[(backend, method)] = make(method, factory) if make is not None else factory
         except Exception as exc:
-            for item in registered.pop(plugin_name):  # take back its methods and backends too
-                kind, _, name = item.partition(" ")
-                (methods if kind == "method" else backends).pop(name, None)
-            fail(plugin_name, exc)
+            got.fail(plugin_name, exc)
             continue
         for (backend, method), entry in added.items():
-            target = backends[backend]
+            target = got.backends[backend]
             target.kernels[method] = _Lazy(entry)
             target.added[method] = origin
             target.info = dataclasses.replace(target.info, kernels={**target.info.kernels, method: entry})
-            registered[plugin_name].append(f"kernels {backend}/{method}")
+            got.registered[plugin_name].append(f"kernels {backend}/{method}")
         if skipped:
-            plugins[plugin_name] = dataclasses.replace(plugins[plugin_name], problems=tuple(skipped))
+            got.plugins[plugin_name] = dataclasses.replace(got.plugins[plugin_name], problems=tuple(skipped))
 
-    for plugin_name, items in registered.items():
-        if plugin_name in plugins:
-            plugins[plugin_name] = dataclasses.replace(plugins[plugin_name], detail=tuple(items))
-    return _State(pm, methods, backends, list(plugins.values()))
+
+def _load() -> _State:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(sys.modules[__name__], name="kvq-core")
+    got = _Collected(_load_plugins(pm))
+    _collect_methods_and_backends(pm, got)
+    _collect_kernels(pm, got)
+    for plugin_name, items in got.registered.items():
+        if plugin_name in got.plugins:
+            got.plugins[plugin_name] = dataclasses.replace(got.plugins[plugin_name], detail=tuple(items))
+    return _State(pm, got.methods, got.backends, list(got.plugins.values()))
 
 
 def state() -> _State:
