@@ -39,6 +39,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for p in plugins:
         state = "loaded" if p.available else f"failed: {p.reason}"
         print(f"  {p.name:16s} {state}; {p.origin}")
+        if p.detail:
+            print(f"  {'':16s} registers {', '.join(p.detail)}")
+        for problem in p.problems:
+            print(f"  {'':16s} skipped {problem}")
     return 0
 
 

@@ -78,6 +78,10 @@ class BackendInfo:
     ``is_available()`` returns ``(True, None)`` or ``(False, reason)`` for the whole backend (a
     missing package or device); ``supports(spec, device)`` the same per spec and device (head_dim,
     bit width, device type). Both are asked lazily.
+
+    ``kernel_entry(method, factory)`` turns kernels that *another* plugin adds to this backend
+    (hook ``kvq_register_kernels``) into an entry of this table, e.g. a torch-tensor backend
+    routes them through its ``kvq::`` ops; None: the factory (or reference) is the entry as given.
     """
 
     name: str
@@ -86,6 +90,7 @@ class BackendInfo:
     is_available: Callable[[], tuple[bool, str | None]] = _always_available
     summary: str = ""
     supports: Supports | None = None
+    kernel_entry: Callable[[str, Any], Any] | None = None
 
 
 class ArrayAdapter(Protocol):

@@ -1,7 +1,11 @@
-"""The plugin registry: a pluggy PluginManager that collects methods and backends.
+"""The plugin registry: a pluggy PluginManager that collects methods, backends and kernels.
 
-Built-in plugins (``DEFAULT_PLUGINS``) register through the same hooks as third-party ones,
-which load from the ``kvq.plugins`` entry-point group unless ``KVQ_DISABLE_PLUGINS=1``.
+Every plugin, built-in or third-party, is a module named in the ``kvq.plugins`` entry-point
+group. kvq's own entries (``pyproject.toml``: the method catalogue, numpy, torch) are the
+built-ins, always loaded (:func:`builtin_plugins` says where they are read from); other
+distributions' entries load unless ``KVQ_DISABLE_PLUGINS=1``. Hooks run in two passes: every
+plugin's methods and backends, then every plugin's kernels for backends registered by others
+(``kvq_register_kernels``), so a plugin may add kernels to any backend whatever the load order.
 
 A failure stays where it happens:
 
@@ -23,6 +27,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -40,12 +45,13 @@ from kvq_core.kernels import ArrayAdapter, BackendInfo, MethodInfo, resolve
 from kvq_core.layout import set_spec_resolver
 from kvq_core.spec import MethodSpec
 
-# (plugin name, module) of the built-ins; backends whose imports fail are listed unavailable.
-DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("kvq-methods", "kvq_core.methods"),
-    ("numpy", "kvq_numpy.plugin"),
-    ("torch", "kvq_torch.plugin"),
-)
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the built-ins are read from kvq's installed metadata
+    tomllib = None  # type: ignore[assignment]
+
+#: The distribution whose ``kvq.plugins`` entry points are the built-ins.
+KVQ_DIST = "kvq"
 DISABLE_ENV = "KVQ_DISABLE_PLUGINS"
 
 
@@ -53,8 +59,10 @@ DISABLE_ENV = "KVQ_DISABLE_PLUGINS"
 class Record:
     """What ``list_methods`` / ``list_backends`` / ``list_plugins`` return.
 
-    ``detail`` lists the backends of a method, or the methods a backend serves; ``problems``
-    the parts that failed (``"name: reason"``), e.g. one method's kernels that did not import.
+    ``detail`` lists the backends of a method, the methods a backend serves, or what a plugin
+    registered (``"method fp8"``, ``"kernels numpy/fp8"``); ``problems`` the parts that failed
+    (``"name: reason"``), e.g. one method's kernels that did not import, or a plugin's kernels
+    for a backend that is not registered here.
     """
 
     name: str
@@ -102,6 +110,8 @@ class _Backend:
     info: BackendInfo
     origin: str
     kernels: dict[str, _Lazy]
+    #: method -> origin of kernels another plugin added (``kvq_register_kernels``)
+    added: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -120,13 +130,40 @@ def _origin_of(plugin_name: str, dist: str | None) -> str:
     return f"plugin {plugin_name} ({dist})" if dist else f"built-in {plugin_name}"
 
 
-def _load() -> _State:
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
+    return ep.dist.name if ep.dist is not None else None
+
+
+def builtin_plugins() -> tuple[tuple[tuple[str, str], ...], str]:
+    """kvq's own ``kvq.plugins`` entry points as ``(name, "module")`` pairs, and where they were read.
+
+    The table of the kvq being imported: the ``pyproject.toml`` of the source checkout that
+    ``kvq_core`` sits in (a PYTHONPATH run, or an editable install whose metadata may predate the
+    table), else the installed distribution's metadata (a wheel). Adding a backend is one line
+    in that table; no core file changes."""
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if tomllib is not None and pyproject.is_file():
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+        if project.get("name") == KVQ_DIST:
+            table = project.get("entry-points", {}).get(hookspecs.ENTRY_POINT_GROUP, {})
+            return tuple((str(k), str(v)) for k, v in table.items()), str(pyproject)
+    eps = importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
+    return tuple((ep.name, ep.value) for ep in eps if _dist_name(ep) == KVQ_DIST), f"the installed {KVQ_DIST} metadata"
+
+
+def _import_ref(ref: str) -> Any:
+    """An entry point's object: a module (``"pkg.mod"``) or an attribute (``"pkg.mod:obj"``)."""
+    return resolve(ref) if ":" in ref else importlib.import_module(ref)
+
+
+def _load_plugins(pm: pluggy.PluginManager) -> dict[str, Record]:
+    """Register the built-ins, then (unless disabled) every other ``kvq.plugins`` entry point;
+    one record per plugin, loaded or failed with the reason."""
     plugins: dict[str, Record] = {}
-    pm.register(sys.modules[__name__], name="kvq-core")
 
     def try_register(name: str, load: Callable[[], Any], origin: str) -> None:
+        if name in plugins:  # two distributions chose one entry-point name: keep both records
+            name = f"{name} [{origin}]"
         try:
             pm.register(load(), name=name)
         except Exception as exc:  # any import/validation failure leaves the plugin unavailable
@@ -140,17 +177,48 @@ def _load() -> _State:
             return
         plugins[name] = Record(name, True, None, origin)
 
-    for name, module in DEFAULT_PLUGINS:
-        try_register(name, lambda m=module: importlib.import_module(m), _origin_of(name, None))
+    table, source = builtin_plugins()
+    if not table:
+        plugins[KVQ_DIST] = Record(KVQ_DIST, False, f"no built-in plugins: {source} has no [project.entry-points."
+                                   f"\"{hookspecs.ENTRY_POINT_GROUP}\"] table; reinstall kvq (pip install -e .)",
+                                   f"built-in ({source})")
+    for name, ref in table:
+        try_register(name, lambda r=ref: _import_ref(r), _origin_of(name, None))
     if os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes"):
         for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+            if _dist_name(ep) == KVQ_DIST:
+                continue  # the built-ins, loaded above
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
             try_register(ep.name, ep.load, _origin_of(ep.name, dist))
+    return plugins
 
-    methods: dict[str, _Method] = {}
-    backends: dict[str, _Backend] = {}
+
+@dataclasses.dataclass
+class _Collected:
+    """What the hooks registered: methods, backends, and per plugin what it added (its record's detail)."""
+
+    plugins: dict[str, Record]
+    methods: dict[str, _Method] = dataclasses.field(default_factory=dict)
+    backends: dict[str, _Backend] = dataclasses.field(default_factory=dict)
+    registered: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def origin(self, plugin_name: str) -> str:
+        record = self.plugins.get(plugin_name)
+        return record.origin if record else "built-in kvq-core"
+
+    def fail(self, plugin_name: str, exc: Exception) -> None:
+        """The plugin failed: record why and take back everything it registered."""
+        for item in self.registered.pop(plugin_name, []):
+            kind, _, name = item.partition(" ")
+            if kind in ("method", "backend"):
+                (self.methods if kind == "method" else self.backends).pop(name, None)
+        self.plugins[plugin_name] = Record(plugin_name, False, _why(exc), self.origin(plugin_name))
+
+
+def _collect_methods_and_backends(pm: pluggy.PluginManager, got: _Collected) -> None:
+    """Pass 1: each plugin's methods and backends, kept only when all its hooks finish."""
     for plugin_name, plugin in pm.list_name_plugin():
-        origin = plugins[plugin_name].origin if plugin_name in plugins else "built-in kvq-core"
+        origin = got.origin(plugin_name)
         pending: dict[type, dict[str, Any]] = {MethodInfo: {}, BackendInfo: {}}
 
         def register(info: Any, kind: type, table: dict, origin: str = origin, pending: dict = pending) -> None:
@@ -164,17 +232,74 @@ def _load() -> _State:
             else:
                 pending[kind][info.name] = _Backend(info, origin, {m: _Lazy(f) for m, f in info.kernels.items()})
 
-        try:  # a plugin's registrations count only when all its hooks finish
+        try:
             if hasattr(plugin, "kvq_register_methods"):
-                plugin.kvq_register_methods(register=lambda i: register(i, MethodInfo, methods))
+                plugin.kvq_register_methods(register=lambda i: register(i, MethodInfo, got.methods))
             if hasattr(plugin, "kvq_register_backends"):
-                plugin.kvq_register_backends(register=lambda i: register(i, BackendInfo, backends))
+                plugin.kvq_register_backends(register=lambda i: register(i, BackendInfo, got.backends))
         except Exception as exc:
-            plugins[plugin_name] = Record(plugin_name, False, _why(exc), origin)
+            got.fail(plugin_name, exc)
             continue
-        methods.update(pending[MethodInfo])
-        backends.update(pending[BackendInfo])
-    return _State(pm, methods, backends, list(plugins.values()))
+        got.methods.update(pending[MethodInfo])
+        got.backends.update(pending[BackendInfo])
+        got.registered[plugin_name] = ([f"method {m}" for m in pending[MethodInfo]]
+                                       + [f"backend {b}" for b in pending[BackendInfo]])
+
+
+def _collect_kernels(pm: pluggy.PluginManager, got: _Collected) -> None:
+    """Pass 2: each plugin's kernels for backends any plugin registered (``kvq_register_kernels``),
+    adapted by the backend's ``kernel_entry``; all or nothing per plugin, its pass-1 work included."""
+    for plugin_name, plugin in pm.list_name_plugin():
+        if plugin_name not in got.registered or not hasattr(plugin, "kvq_register_kernels"):
+            continue
+        origin = got.origin(plugin_name)
+        added: dict[tuple[str, str], Any] = {}
+        skipped: list[str] = []
+
+        def register(backend: str, method: str, factory: Any, origin: str = origin,
+                     added: dict = added, skipped: list = skipped) -> None:
+            if not (isinstance(backend, str) and isinstance(method, str)):
+                raise PluginError(f"{origin} registered kernels for ({backend!r}, {method!r}); expected two names")
+            if backend not in got.backends:
+                skipped.append(f"kernels {backend}/{method}: backend {backend!r} is not registered here")
+                return
+            entry = got.backends[backend]
+            if method in entry.kernels:
+                owner = entry.added.get(method, entry.origin)
+                raise PluginError(f"{origin} registers kernels for {method!r} on backend {backend!r}, already from {owner}")
+            if (backend, method) in added:
+                raise PluginError(f"{origin} registers kernels for {method!r} on backend {backend!r} twice")
+            added[(backend, method)] = factory
+
+        try:
+            plugin.kvq_register_kernels(register=register)
+            for (backend, method), factory in added.items():  # the backend's adapter, once the hook finished
+                make = got.backends[backend].info.kernel_entry
+                added[(backend, method)] = make(method, factory) if make is not None else factory
+        except Exception as exc:
+            got.fail(plugin_name, exc)
+            continue
+        for (backend, method), entry in added.items():
+            target = got.backends[backend]
+            target.kernels[method] = _Lazy(entry)
+            target.added[method] = origin
+            target.info = dataclasses.replace(target.info, kernels={**target.info.kernels, method: entry})
+            got.registered[plugin_name].append(f"kernels {backend}/{method}")
+        if skipped:
+            got.plugins[plugin_name] = dataclasses.replace(got.plugins[plugin_name], problems=tuple(skipped))
+
+
+def _load() -> _State:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(sys.modules[__name__], name="kvq-core")
+    got = _Collected(_load_plugins(pm))
+    _collect_methods_and_backends(pm, got)
+    _collect_kernels(pm, got)
+    for plugin_name, items in got.registered.items():
+        if plugin_name in got.plugins:
+            got.plugins[plugin_name] = dataclasses.replace(got.plugins[plugin_name], detail=tuple(items))
+    return _State(pm, got.methods, got.backends, list(got.plugins.values()))
 
 
 def state() -> _State:
@@ -252,6 +377,7 @@ def _backend(name: str) -> _Backend:
 
 
 def backend_info(name: str) -> BackendInfo:
+    """The backend as registered; its ``kernels`` include those other plugins added."""
     return _backend(name).info
 
 
@@ -376,7 +502,7 @@ def kvq_select_backend(method: str, device: str | None, candidates: list[str]) -
 
 
 __all__ = [
-    "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "DEFAULT_PLUGINS", "backend_info", "backend_status",
+    "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "backend_info", "backend_status", "builtin_plugins",
     "kernel_factory", "list_backends", "list_methods", "list_plugins", "make_spec", "method_info", "method_status",
     "select_backend", "serves", "spec_from_dict", "supports",
 ]

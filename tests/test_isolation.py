@@ -173,8 +173,9 @@ def extra_plugins(monkeypatch: pytest.MonkeyPatch):
                 setattr(mod, attr, getattr(obj, attr))
         mods[name] = mod
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(registry, "DEFAULT_PLUGINS", (*registry.DEFAULT_PLUGINS, ("halfplug", "halfplug"),
-                                                       ("pickyplug", "pickyplug")))
+    table, source = registry.builtin_plugins()
+    monkeypatch.setattr(registry, "builtin_plugins",
+                        lambda: ((*table, ("halfplug", "halfplug"), ("pickyplug", "pickyplug")), source))
     registry.reload()
     yield
     registry.reload()

@@ -7,7 +7,8 @@
   (:mod:`kvq_torch.compiled`), through the same ops; codes are bit-identical to ``"torch"``.
 
 Adding a method: write one :class:`kvq_torch.common.TorchMethod` subclass in
-``kvq_torch/<method>.py`` and add one line to ``KERNELS``.
+``kvq_torch/<method>.py`` and add one line to ``KERNELS``; a third-party plugin registers its
+subclass with the ``kvq_register_kernels`` hook instead (``kernel_entry`` routes it the same way).
 """
 from __future__ import annotations
 
@@ -57,10 +58,22 @@ def _compiled_available() -> tuple[bool, str | None]:
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
     arrays = TorchArrays()
     register(BackendInfo(EAGER, op_backend(EAGER, KERNELS), arrays,
-                         summary=f"PyTorch {torch.__version__} eager: kvq:: custom ops (CPU/CUDA; compile/export friendly)"))
+                         summary=f"PyTorch {torch.__version__} eager: kvq:: custom ops (CPU/CUDA; compile/export friendly)",
+                         kernel_entry=_eager_entry))
     compiled_kernels = {m: Deferred(ref, compiled) for m, ref in KERNELS.items()}
     register(BackendInfo(COMPILED, op_backend(COMPILED, compiled_kernels), arrays, _compiled_available,
-                         summary="PyTorch kernels compiled by inductor, codes bit-identical to 'torch'"))
+                         summary="PyTorch kernels compiled by inductor, codes bit-identical to 'torch'",
+                         kernel_entry=_compiled_entry))
+
+
+def _eager_entry(method: str, ref: object) -> object:
+    """A plugin's TorchMethod subclass (or its reference) for ``method``, served through the kvq:: ops."""
+    return op_backend(EAGER, {method: ref})[method]
+
+
+def _compiled_entry(method: str, ref: object) -> object:
+    """The same, each kernel function compiled by inductor (as the built-in methods are)."""
+    return op_backend(COMPILED, {method: Deferred(ref, compiled)})[method]
 
 
 @hookimpl
