@@ -67,6 +67,18 @@ class Clock:
         return self.end - time.monotonic()
 
 
+def supports(backend: str, spec: Any, device: str) -> tuple[bool, str | None]:
+    """The registry's ``supports(backend, spec, device)`` (or, on a registry without it, the
+    backend's own ``supports(spec, device)``)."""
+    from kvq_core import registry
+
+    check = getattr(registry, "supports", None)
+    if check is not None:
+        return check(backend, spec, device)
+    own = getattr(registry.backend_info(backend), "supports", None)
+    return own(spec, device) if own is not None else (False, "the backend has no supports(spec, device)")
+
+
 def gpu_backends(plan: Plan, only: list[str] | None, skip: list[str]) -> dict[str, list[str]]:
     """backend -> methods it serves on the plan's device (per its ``supports``), reference excluded."""
     from kvq_core import registry, testing
@@ -79,13 +91,9 @@ def gpu_backends(plan: Plan, only: list[str] | None, skip: list[str]) -> dict[st
         if not rec.available:
             print(f"backend {name}: unavailable ({rec.reason})")
             continue
-        supports = getattr(registry.backend_info(name), "supports", None)
-        if supports is None:
-            print(f"backend {name}: has no supports(spec, device); skipped")
-            continue
         methods = []
         for method in testing.methods_for(name):
-            ok, why = supports(registry.make_spec(method, head_dim=plan.head_dim), plan.device)
+            ok, why = supports(name, registry.make_spec(method, head_dim=plan.head_dim), plan.device)
             if ok:
                 methods.append(method)
             else:
@@ -98,17 +106,15 @@ def gpu_backends(plan: Plan, only: list[str] | None, skip: list[str]) -> dict[st
 
 def served_params(backend: str, method: str, device: str) -> dict[str, tuple]:
     """The conformance suite's parameter choices, less those the backend's ``supports`` refuses."""
-    from kvq_core import registry
     from kvq_core.testing import SPEC_PARAMS
     from kvq_core.testing.strategies import make_spec_or_none
 
-    supports = registry.backend_info(backend).supports
     params = {}
     for name, choices in SPEC_PARAMS.get(method, {}).items():
         kept = []
         for c in choices:
             spec = make_spec_or_none(method, {name: c})
-            if spec is None or supports(spec, device)[0]:
+            if spec is None or supports(backend, spec, device)[0]:
                 kept.append(c)
         params[name] = tuple(kept) or tuple(choices[:1])
     return params

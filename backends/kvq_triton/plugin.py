@@ -1,9 +1,11 @@
 """Registers the ``triton`` backend through kvq's hooks.
 
-The kernel table maps each method to a lazy ``"module:Class"`` string (a
-:class:`kvq_torch.common.TorchMethod` subclass), so a method whose module fails to import is
-the only one unavailable, and this plugin imports neither Triton nor the kernels until a
-quantizer is built: ``kvq list`` shows ``triton`` with the reason it cannot run here.
+Like the torch backends, every kernel call is one ``kvq::`` op carrying the backend name
+(:mod:`kvq_core.dispatch`); this plugin only adds kernel-table entries (lazy ``"module:Class"``
+references to :class:`kvq_torch.common.TorchMethod` subclasses, so a method whose module fails
+to import is the only one unavailable) and answers ``supports(spec, device)``. Neither Triton
+nor the kernels are imported until a kernel runs: ``kvq list`` shows ``triton`` with the reason
+it cannot run here.
 
 Where the kernels run: CUDA tensors on an NVIDIA GPU, or CPU tensors under Triton's
 interpreter (``TRITON_INTERPRET=1``, set before kvq is imported), which is how CI tests them.
@@ -16,10 +18,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from kvq_core.errors import BackendUnavailableError, InputError
+from kvq_core.dispatch.arrays import TorchArrays
+from kvq_core.dispatch.calls import op_backend
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import KernelContext
-from kvq_core.registry import BackendInfo
+from kvq_core.kernels import BackendInfo
 from kvq_core.spec import MethodSpec
 
 NAME = "triton"
@@ -52,10 +54,8 @@ def _triton_import() -> str | None:
 
 
 def _cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
+    import torch
+
     return torch.cuda.is_available()
 
 
@@ -80,119 +80,50 @@ def _method_limits(spec: MethodSpec) -> str | None:
 
 
 def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
-    """(ok, reason): can the ``triton`` backend serve ``spec`` on ``device`` (a torch device
-    string, or None for NumPy input)? The reason names the method, parameter or device."""
+    """(ok, reason): can the ``triton`` backend serve ``spec`` on ``device`` (a device type, or
+    None for NumPy input, which :class:`TritonArrays` places where the kernels run)? The reason
+    names the method, parameter or device."""
     if spec.method not in KERNELS:
         return False, f"method {spec.method!r} has no Triton kernels (Triton implements {', '.join(sorted(KERNELS))})"
     limit = _method_limits(spec)
     if limit:
         return False, limit
-    kind = "cpu" if device is None else str(device).split(":")[0]
-    if kind not in ("cpu", "cuda"):
+    kind = None if device is None else str(device).split(":")[0]
+    if kind not in (None, "cpu", "cuda"):
         return False, f"device {device!r} (Triton kernels run on 'cuda', or on 'cpu' under TRITON_INTERPRET=1)"
     ok, why = is_available()
     if not ok:
         return False, why
-    if kind == "cuda":
-        if interpreting():
-            return False, "device 'cuda' while TRITON_INTERPRET=1 (the interpreter runs on CPU tensors)"
-        return (True, None) if _cuda() else (False, "device 'cuda' but torch sees no CUDA device")
-    return (True, None) if interpreting() else (False, "device 'cpu' needs TRITON_INTERPRET=1 (Triton's CPU interpreter)")
+    if kind == "cuda" and interpreting():
+        return False, "device 'cuda' while TRITON_INTERPRET=1 (the interpreter runs on CPU tensors)"
+    if kind == "cuda" and not _cuda():
+        return False, "device 'cuda' but torch sees no CUDA device"
+    if kind == "cpu" and not interpreting():
+        return False, "device 'cpu' needs TRITON_INTERPRET=1 (Triton's CPU interpreter)"
+    return True, None
 
 
-class TritonArrays:
+class TritonArrays(TorchArrays):
     """Torch tensors as they are; NumPy arrays become tensors on the device the kernels run on
     (CUDA, or the CPU under the interpreter)."""
 
-    def __init__(self) -> None:
-        from kvq_torch.arrays import TorchArrays
-
-        self._torch = TorchArrays()
-
     def asarray(self, x: Any) -> Any:
-        t = self._torch.asarray(x)
-        if t.device.type == "cpu" and not interpreting() and _cuda():
+        t = super().asarray(x)
+        if t.device.type == "cpu" and not isinstance(x, type(t)) and not interpreting() and _cuda():
             return t.cuda()
         return t
-
-    def to_numpy(self, x: Any) -> Any:
-        return self._torch.to_numpy(x)
-
-    def all_finite(self, x: Any) -> bool:
-        return self._torch.all_finite(x)
-
-    def concat(self, xs: list[Any], axis: int) -> Any:
-        return self._torch.concat([self.asarray(x) for x in xs], axis)
-
-    def cast(self, x: Any, dtype: str) -> Any:
-        return self._torch.cast(x, dtype)
-
-
-class TritonKernels:
-    """The core's :class:`~kvq_core.kernels.MethodKernels` for one method: adapts a
-    :class:`KernelContext` to the torch kernels' ``TorchContext`` (constants as tensors on the
-    data's device) and refuses tensors on a device the kernels cannot run on."""
-
-    def __init__(self, target: str, spec: MethodSpec) -> None:
-        module, _, attr = target.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except Exception as exc:  # noqa: BLE001 - only this method becomes unavailable
-            raise BackendUnavailableError(
-                f"triton kernels of {spec.method!r} failed to import ({target}): {type(exc).__name__}: {exc}") from exc
-        ok, why = supports(spec, None if interpreting() else "cuda")
-        if not ok:
-            raise BackendUnavailableError(f"backend 'triton' cannot serve {spec.describe()}: {why}")
-        self.spec = spec
-        self.spec_json = spec.to_json()
-        self.impl = cls(spec)
-
-    def _ctx(self, ctx: KernelContext, x: Any) -> Any:
-        from kvq_torch.common import TorchContext, consts_for
-
-        device = x.device
-        if (device.type == "cpu") != interpreting():
-            raise InputError(f"backend 'triton' got a tensor on {device}; expected "
-                             f"{'cpu (TRITON_INTERPRET=1)' if interpreting() else 'cuda'}")
-        return TorchContext(ctx.spec, ctx.layer, ctx.shape, consts_for(self.spec_json, ctx.shape[1], ctx.layer, device))
-
-    def encode_keys(self, k: Any, ctx: KernelContext) -> dict[str, Any]:
-        return self.impl.encode_keys(k, self._ctx(ctx, k))
-
-    def decode_keys(self, fields: dict[str, Any], ctx: KernelContext) -> Any:
-        return self.impl.decode_keys(fields, self._ctx(ctx, next(iter(fields.values()))))
-
-    def encode_values(self, v: Any, ctx: KernelContext) -> dict[str, Any]:
-        return self.impl.encode_values(v, self._ctx(ctx, v))
-
-    def decode_values(self, fields: dict[str, Any], ctx: KernelContext) -> Any:
-        return self.impl.decode_values(fields, self._ctx(ctx, next(iter(fields.values()))))
-
-    def attend(self, q: Any, kfields: dict[str, Any], vfields: dict[str, Any], ctx: KernelContext, scale: float):
-        return self.impl.attend(q, kfields, vfields, self._ctx(ctx, q), scale)
-
-
-class TritonBackendInfo(BackendInfo):
-    """BackendInfo plus the ``supports(spec, device)`` check the new dispatch contract asks for."""
-
-    def supports(self, spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
-        return supports(spec, device)
-
-
-def _table() -> dict[str, Callable[[MethodSpec], Any]]:
-    return {method: functools.partial(TritonKernels, target) for method, target in KERNELS.items()}
 
 
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
-    register(TritonBackendInfo(NAME, _table(), TritonArrays(), is_available,
-                               summary="Triton GPU kernels: packed encode/decode, fused split-KV decode attention "
-                                       "(CUDA; CPU under TRITON_INTERPRET=1)"))
+    register(BackendInfo(NAME, op_backend(NAME, KERNELS), TritonArrays(), is_available,
+                         summary="Triton GPU kernels: packed encode/decode, fused split-KV decode attention "
+                                 "(CUDA; CPU under TRITON_INTERPRET=1)", supports=supports))
 
 
 @hookimpl
 def kvq_select_backend(method: str, device: str | None, candidates: list[str]) -> str | None:
-    """``backend="auto"`` on a CUDA device picks Triton when it implements the method."""
+    """``backend="auto"`` on a CUDA device picks Triton when it can serve the method."""
     if device is not None and str(device).startswith("cuda") and NAME in candidates:
         return NAME
     return None
