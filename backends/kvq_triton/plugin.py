@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ from kvq_core.dispatch.calls import op_backend
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.spec import MethodSpec
+from kvq_triton.config import interpreting
 
 NAME = "triton"
 
@@ -36,11 +36,6 @@ KERNELS: dict[str, str] = {
 
 #: Largest head_dim one program holds in registers.
 MAX_HEAD_DIM = 256
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=1)
