@@ -52,3 +52,10 @@ def test_tile_paths(method: str, params: dict) -> None:
     case = testing.Case(spec, batch=1, kv_heads=2, tokens=70, gqa=4, q_len=2, dtype="float32",
                         regime="outliers", seed=70)
     assert testing.check_case("triton", case).codes_compared >= 2 * (1 * 2 * 70 * 128)  # keys and values, at least
+
+
+def test_many_query_rows() -> None:
+    """GQA 4 x q_len 20 = 80 query rows per KV head: two row blocks of the attention grid."""
+    spec = registry.make_spec("octopus", head_dim=64, bits=3)
+    case = testing.Case(spec, batch=1, kv_heads=1, tokens=50, gqa=4, q_len=20, dtype="float16", regime="sinks", seed=5)
+    assert testing.check_case("triton", case).examples == 1
