@@ -22,6 +22,10 @@ class NumpyArrays:
     def all_finite(self, x: Any) -> bool:
         return bool(np.isfinite(self.asarray(x)).all())
 
+    def max_abs(self, x: Any) -> float:
+        """Largest |x| (for the core's underflow check)."""
+        return float(np.abs(self.asarray(x).astype(np.float64)).max())
+
     def cast(self, x: Any, dtype: str) -> np.ndarray:
         try:
             return np.asarray(x).astype(np.dtype(dtype), copy=False)

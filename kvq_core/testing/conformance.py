@@ -19,7 +19,8 @@ it checks, against the reference backend (``"numpy"`` unless told otherwise):
    1-2 against the reference's whole block: a sliding-flush cache packs one token at a time;
 6. **typed errors** - bad input (rank, head_dim, empty, integer dtype, NaN/Inf, wrong packed
    kind, foreign spec, bad GQA ratio, bad scale) raises the documented :class:`KVQError` subclass;
-   input whose stored fields would overflow (|x| ~ 1e6 past float16) raises InputError or decodes finite.
+   input whose stored fields would overflow (|x| ~ 1e6 past float16) raises InputError or decodes finite;
+   nonzero input whose stored fields would underflow (|x| ~ 1e-30) raises InputError or decodes nonzero.
 
 Tie rule (how "the pre-rounding value lies within the tie tolerance of a decision boundary" is
 decided, for every method alike, including normalising codecs where a global rescale changes
@@ -383,9 +384,18 @@ def check_errors(backend: str, method: str, *, to_backend: Callable[[np.ndarray]
     try:  # past float16 range: a stored field may overflow, which must raise rather than store Inf
         huge = q.encode_keys(conv(good * 1e6))
     except InputError:
-        return
-    if not np.isfinite(np.asarray(q.arrays.to_numpy(q.decode_keys(huge)), dtype=np.float64)).all():
-        raise ConformanceError(f"{backend}/{method}: keys of magnitude 1e6 encoded without error but decode to NaN/Inf")
+        pass
+    else:
+        if not np.isfinite(np.asarray(q.arrays.to_numpy(q.decode_keys(huge)), dtype=np.float64)).all():
+            raise ConformanceError(f"{backend}/{method}: keys of magnitude 1e6 encoded without error but decode to NaN/Inf")
+    for kind, encode, decode in (("keys", q.encode_keys, q.decode_keys), ("values", q.encode_values, q.decode_values)):
+        try:  # far below float16 range: stored fields may underflow, which must raise rather than store zeros
+            tiny = encode(conv(good * np.float32(1e-30)))
+        except InputError:
+            continue
+        if not np.any(np.asarray(q.arrays.to_numpy(decode(tiny)), dtype=np.float64) != 0):
+            raise ConformanceError(f"{backend}/{method}: nonzero {kind} of magnitude 1e-30 encoded without error "
+                                   "but decode to all zeros")
 
 
 # ------------------------------------------------------------------------------------------------
