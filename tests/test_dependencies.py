@@ -11,6 +11,7 @@ optional dependency (the module works without it) and is allowed anywhere.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import re
 import sys
@@ -113,9 +114,15 @@ def hard_imports(source: str) -> list[tuple[int, str]]:
     return found
 
 
+@functools.lru_cache(maxsize=1)
+def installed_distributions() -> dict[str, list[str]]:
+    """Top-level module -> installed distributions (scanning them all is slow: once)."""
+    return importlib.metadata.packages_distributions()
+
+
 def distributions_of(module: str) -> set[str]:
     """Distributions that may provide top-level ``module`` (normalised names)."""
-    installed = importlib.metadata.packages_distributions().get(module)
+    installed = installed_distributions().get(module)
     if installed:
         return {_norm(d) for d in installed}
     return {_norm(DIST_ALIASES.get(module, module))}
