@@ -33,6 +33,7 @@ EXTRAS_BY_PREFIX: dict[str, tuple[str, ...]] = {
     "kvq_core/eval": ("hf", "torch"),
     "kvq_core/bench": ("bench", "torch"),
     "kvq_core/testing": ("dev",),
+    "kvq_core/dispatch": ("torch",),  # the kvq:: op dispatch for torch-tensor backends (main's restructure)
     "backends/kvq_numpy": (),
     "backends/kvq_torch": ("torch",),
     "backends/kvq_triton": ("triton", "torch"),
