@@ -24,7 +24,8 @@ class NumpyArrays:
 
     def max_abs(self, x: Any) -> float:
         """Largest |x| (for the core's underflow check)."""
-        return float(np.abs(self.asarray(x).astype(np.float64)).max())
+        a = self.asarray(x)
+        return max(0.0, -float(a.min()), float(a.max()))  # no |x| temporary
 
     def cast(self, x: Any, dtype: str) -> np.ndarray:
         try:

@@ -45,7 +45,8 @@ class TorchArrays:
         if isinstance(x, torch.Tensor):
             if torch.compiler.is_compiling():
                 return None
-            return float(x.abs().max())
+            lo, hi = torch.aminmax(x)  # one pass, no |x| temporary
+            return max(0.0, -float(lo), float(hi))
         return float(np.abs(np.asarray(x, dtype=np.float64)).max())
 
     def concat(self, xs: list[Any], axis: int) -> torch.Tensor:
