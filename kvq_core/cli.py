@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVQError as exc:
         print(f"kvq: error: {exc}", file=sys.stderr)
         return 2
+    except FileNotFoundError as exc:  # missing model or eval text: the message names the flag to pass
+        print(f"kvq: error: {exc}", file=sys.stderr)
+        return 2
     except ImportError as exc:
         print(f"kvq: error: {exc}; install the extra it needs, e.g. pip install 'kvq[bench,hf,torch]'", file=sys.stderr)
         return 2

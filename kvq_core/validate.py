@@ -47,9 +47,21 @@ def _check_float_finite(x: Any, arrays: ArrayAdapter, what: str) -> None:
         raise InputError(f"{what}: contains NaN or Inf; kvq rejects non-finite input rather than store garbage codes")
 
 
+#: Blocks whose largest |value| is below float16's smallest normal (2**-14) are checked for
+#: underflow: there every float16 field that stores a magnitude is subnormal or zero.
+UNDERFLOW_PEAK = 2.0**-14
+#: A tiny block is rejected when it decodes to all zeros, or with a relative error above this
+#: factor times that of the same block scaled up by a power of four (where nothing underflows)
+UNDERFLOW_ERROR_FACTOR = 1.5
+#: ... plus this much (relative error): a float16 field a little past its normal range costs
+#: ~0.1% and is kept.
+UNDERFLOW_ERROR_SLACK = 0.01
+
+
 def check_stored_finite(packed: PackedKV, x: Any, arrays: ArrayAdapter, what: str) -> None:
     """Reject a freshly encoded block whose float fields overflowed (e.g. a float16 scale for
-    |x| > 65504): its codes would decode to Inf/NaN, so nothing is returned instead."""
+    |x| > 65504): its codes would decode to Inf/NaN, so nothing is returned instead. Likewise
+    a block so small that its fields underflow (:func:`check_stored_precise`)."""
     for name, field in packed.layout.items():
         if field.dtype in _FLOAT_NAMES and not arrays.all_finite(packed.fields[name]):
             peak = float(np.abs(np.asarray(arrays.to_numpy(x), dtype=np.float64)).max())
@@ -58,6 +70,57 @@ def check_stored_finite(packed: PackedKV, x: Any, arrays: ArrayAdapter, what: st
                 f"(largest |value| {peak:.4g}; float16 holds up to 65504); scale the input down, or use the "
                 "method's float32 storage option where it has one"
             )
+    check_stored_precise(packed, x, arrays, what)
+
+
+def _max_abs(x: Any, arrays: ArrayAdapter) -> float | None:
+    """Largest |x| through the adapter's optional ``max_abs`` (None: not checkable here, e.g.
+    under torch.compile), else through NumPy."""
+    fn = getattr(arrays, "max_abs", None)
+    if fn is not None:
+        return fn(x)
+    return float(np.abs(np.asarray(arrays.to_numpy(x), dtype=np.float64)).max())
+
+
+def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    want64 = want.astype(np.float64)
+    return float(np.linalg.norm(got.astype(np.float64) - want64) / np.linalg.norm(want64))
+
+
+def check_stored_precise(packed: PackedKV, x: Any, arrays: ArrayAdapter, what: str) -> None:
+    """Reject a nonzero block whose stored fields underflow (e.g. keys scaled by 1e-30: float16
+    scales and float32 sums of squares become 0), so that it would decode to all zeros, or far
+    worse than the same block at a normal magnitude. Blocks whose largest |value| is at least
+    :data:`UNDERFLOW_PEAK` skip the check after one max-abs reduction; tiny ones are decoded by
+    the NumPy reference (which conformance makes equal to every backend) and compared with the
+    same block scaled up by a power of four, which the methods encode exactly equivariantly."""
+    peak = _max_abs(x, arrays)
+    if peak is None or peak == 0.0 or peak >= UNDERFLOW_PEAK:
+        return
+    from kvq_core.api import Quantizer  # the reference backend, only on this rare path
+
+    spec = packed.spec
+    ref = Quantizer(spec, "numpy", packed.layer)
+    encode = ref.encode_keys if packed.kind == "keys" else ref.encode_values
+    decode = ref.decode_keys if packed.kind == "keys" else ref.decode_values
+    xr = np.asarray(arrays.to_numpy(x), dtype=np.float32)
+    mine = packed.map_fields(lambda f: np.asarray(arrays.to_numpy(f)))
+    got = np.asarray(decode(mine), dtype=np.float32)
+    lift = np.float32(4.0 ** int(np.ceil(-np.log(peak) / np.log(4.0))))  # brings the peak into [1/4, 1)
+    lifted = encode(xr * lift)
+    err, err_lifted = _relative_error(got, xr), _relative_error(np.asarray(decode(lifted), np.float32) / lift, xr)
+    if np.any(got != 0) and err <= UNDERFLOW_ERROR_FACTOR * err_lifted + UNDERFLOW_ERROR_SLACK:
+        return
+    floats = [n for n, f in packed.layout.items() if f.dtype in _FLOAT_NAMES]
+    lost = [n for n in floats if not np.allclose(np.asarray(mine.fields[n], np.float64) * float(lift),
+                                                 np.asarray(lifted.fields[n], np.float64), rtol=1e-2)]
+    named = ", ".join(f"{n!r} ({packed.layout[n].dtype})" for n in (lost or floats))
+    raise InputError(
+        f"{what}: {spec.method} stores {named}, which underflow for this input (largest |value| {peak:.4g}; "
+        f"float16 fields go subnormal below 6.1e-05, float32 squares vanish below ~1e-19): it would decode "
+        + ("to all zeros" if not np.any(got != 0) else f"with relative error {err:.3g} (scaled up: {err_lifted:.3g})")
+        + "; scale the input up (by a power of two), or use the method's float32 storage option where it has one"
+    )
 
 
 def check_packed(p: Any, spec: MethodSpec, kind: str) -> PackedKV:

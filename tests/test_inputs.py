@@ -62,6 +62,35 @@ def test_overflowing_storage_is_rejected_not_stored(q) -> None:
     assert np.isfinite(q.decode_keys(packed)).all()
 
 
+@pytest.mark.parametrize("kind", ["keys", "values"])
+def test_underflowing_storage_is_rejected_not_stored_as_zeros(q, kind: str) -> None:
+    """Nonzero input so small that its stored fields underflow (1e-30: float16 scales and
+    float32 sums of squares become 0) raises InputError naming a stored field, for every
+    method; it never decodes to all zeros without a word."""
+    encode = q.encode_keys if kind == "keys" else q.encode_values
+    with pytest.raises(InputError, match=r"stores '\w+' \(float(16|32)\).* underflow for this input.*decode to all zeros"):
+        encode(_kv() * np.float32(1e-30))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e-5, 1e-8])
+def test_small_input_decodes_as_well_as_scaled_up_or_is_rejected(q, scale: float) -> None:
+    """Below float16's normal range a block either raises, or decodes within the underflow
+    rule (relative error <= 1.5x that of the same block at magnitude ~1, + 0.01); an all-zero
+    block is stored as zeros."""
+    k = _kv() * np.float32(scale)
+    lift = np.float32(4.0 ** 10)
+    try:
+        got = q.decode_keys(q.encode_keys(k))
+    except InputError as err:
+        assert scale < 2.0**-14 and "underflow for this input" in str(err)
+        return
+    err = np.linalg.norm(got.astype(np.float64) - k) / np.linalg.norm(k.astype(np.float64))
+    up = q.decode_keys(q.encode_keys(k * lift)) / lift
+    err_up = np.linalg.norm(up.astype(np.float64) - k) / np.linalg.norm(k.astype(np.float64))
+    assert err <= 1.5 * err_up + 0.01
+    assert not q.decode_keys(q.encode_keys(np.zeros((1, 2, 3, 64), np.float32))).any()
+
+
 def test_not_an_array(q) -> None:
     with pytest.raises(InputError, match="got list"):
         q.encode_keys([[1.0, 2.0]])

@@ -22,6 +22,11 @@ class NumpyArrays:
     def all_finite(self, x: Any) -> bool:
         return bool(np.isfinite(self.asarray(x)).all())
 
+    def max_abs(self, x: Any) -> float:
+        """Largest |x| (for the core's underflow check)."""
+        a = self.asarray(x)
+        return max(0.0, -float(a.min()), float(a.max()))  # no |x| temporary
+
     def cast(self, x: Any, dtype: str) -> np.ndarray:
         try:
             return np.asarray(x).astype(np.dtype(dtype), copy=False)

@@ -10,8 +10,8 @@ import torch
 class TorchArrays:
     """Tensors stay where they are (device and dtype kept); NumPy arrays become CPU tensors.
 
-    ``all_finite`` is the one data-dependent check the core makes. Under ``torch.compile`` /
-    ``torch.export`` (``torch.compiler.is_compiling()``) it is skipped and returns True, since
+    ``all_finite`` and ``max_abs`` are the data-dependent checks the core makes. Under ``torch.compile`` /
+    ``torch.export`` (``torch.compiler.is_compiling()``) they are skipped (True / None), since
     reading a tensor's values would break the graph: compiled callers are responsible for
     finite input. Eager calls always check.
     """
@@ -39,6 +39,15 @@ class TorchArrays:
                 return True
             return bool(torch.isfinite(x).all())
         return bool(np.isfinite(np.asarray(x)).all())
+
+    def max_abs(self, x: Any) -> float | None:
+        """Largest |x| (for the core's underflow check); None under torch.compile, like ``all_finite``."""
+        if isinstance(x, torch.Tensor):
+            if torch.compiler.is_compiling():
+                return None
+            lo, hi = torch.aminmax(x)  # one pass, no |x| temporary
+            return max(0.0, -float(lo), float(hi))
+        return float(np.abs(np.asarray(x, dtype=np.float64)).max())
 
     def concat(self, xs: list[Any], axis: int) -> torch.Tensor:
         return torch.cat([self.asarray(x) for x in xs], dim=axis)

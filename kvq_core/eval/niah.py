@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"duplicate configuration labels: {labels}")
-    model, tok, info = load_model(args.model, attn_implementation=args.attn, threads=args.threads)
     text, source = (load_text(args.text_file, args.dataset) if args.haystack == "wikitext" else (None, "filler"))
+    model, tok, info = load_model(args.model, attn_implementation=args.attn, threads=args.threads)
     builder = PromptBuilder(tok, args.haystack, text)
     out = Path(args.out)
     data: dict[str, Any] = {

@@ -253,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     # the kvq attention function falls back to sdpa for everything but kvq caches' multi-token
     # sliding steps; --attn kvq also makes kvq caches attend from their codes
     attention = "codes" if args.attn == "kvq" else "dequant"
+    text, source = load_text(args.text_file, args.dataset)  # before the model: a missing text fails fast
     model, tok, info = load_model(args.model, attn_implementation=args.attn or "kvq", threads=args.threads)
-    text, source = load_text(args.text_file, args.dataset)
     ids_all = tok(text, return_tensors="pt").input_ids
     length = args.prefix + args.score + 1
     windows = window_starts(ids_all.shape[1], length, args.first_window, args.windows, args.tuning)

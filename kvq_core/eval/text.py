@@ -1,17 +1,40 @@
-"""Evaluation text: WikiText-2 (raw) test split from ``shared/data`` by default, any text file,
-or a ``datasets`` name (``name[:config[:split]]``) where a network is available."""
+"""Evaluation text: WikiText-2 (raw) test split, any text file, or a ``datasets`` name
+(``name[:config[:split]]``).
+
+WikiText-2 is looked for in ``$KVQ_EVAL_TEXT``, in ``shared/data`` beside an ancestor of the
+working directory or of this package (a checkout of the repo), and in kvq's cache; where none
+is found (e.g. after ``pip install "kvq[hf]"``) it is loaded once through ``datasets`` and
+written to the cache, so later runs need neither the network nor ``datasets``.
+"""
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from pathlib import Path
 
 DEFAULT_FILE = "wikitext2-test.txt"
 ENV = "KVQ_EVAL_TEXT"
+CACHE_ENV = "KVQ_CACHE_DIR"
+#: The hub dataset (the canonical ``wikitext`` repository), config and split of the default text.
+WIKITEXT = ("Salesforce/wikitext", "wikitext-2-raw-v1", "test")
+#: sha256 of the split's rows joined by blank lines (the convention of GPTQ and most KV-cache
+#: papers), which is also ``shared/data/wikitext2-test.txt``: 1,296,370 bytes.
+WIKITEXT_SHA256 = "696cca6b65a171b0a358a4be6732cdfdf2dd6164a32e20fd70e3c13fc4dfae83"
+
+
+def cache_dir() -> Path:
+    """``$KVQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvq``, else ``~/.cache/kvq``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvq"
 
 
 def default_text_path() -> Path | None:
     """``$KVQ_EVAL_TEXT``, else ``shared/data/wikitext2-test.txt`` next to an ancestor of the
-    working directory or of this package (the repo sits beside ``shared/``)."""
+    working directory or of this package (the repo sits beside ``shared/``), else the copy in
+    :func:`cache_dir`; None when there is none."""
     env = os.environ.get(ENV)
     if env and Path(env).is_file():
         return Path(env)
@@ -21,11 +44,54 @@ def default_text_path() -> Path | None:
             cand = base / "shared" / "data" / DEFAULT_FILE
             if cand.is_file():
                 return cand
-    return None
+    cached = cache_dir() / DEFAULT_FILE
+    return cached if cached.is_file() else None
+
+
+def _offline_help() -> str:
+    return (f"pass --text-file PATH (a UTF-8 text file, e.g. the WikiText-2 raw test split), or set ${ENV}=PATH, "
+            f"or put {DEFAULT_FILE} in {cache_dir()} (${CACHE_ENV})")
+
+
+def download_wikitext() -> Path:
+    """Load WikiText-2 (raw, test) through ``datasets`` (its download progress bars on
+    stderr), write it to :func:`cache_dir` and return that path. Raises FileNotFoundError
+    naming the file or flag to pass when ``datasets`` is missing or the hub is unreachable."""
+    name, config, split = WIKITEXT
+    try:
+        from datasets import load_dataset
+    except ImportError as exc:
+        raise FileNotFoundError(
+            f"WikiText-2 ({DEFAULT_FILE}) was not found locally and the datasets package is not installed "
+            f"(pip install 'kvq[hf]' to download it once); or {_offline_help()}") from exc
+    print(f"kvq: {DEFAULT_FILE} not found locally; loading {name} {config} ({split}) through datasets",
+          file=sys.stderr)
+    try:
+        ds = load_dataset(name, config, split=split)
+    except Exception as exc:  # noqa: BLE001 - offline, hub unreachable, dataset moved: all end here
+        offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+                      for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+        why = "offline mode is on (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE) and it is not cached" if offline else \
+            f"{type(exc).__name__}: {exc}"
+        raise FileNotFoundError(f"could not load WikiText-2 through datasets ({name} {config} {split}): {why}; "
+                                f"{_offline_help()}") from exc
+    text = "\n\n".join(ds["text"])
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if digest != WIKITEXT_SHA256:
+        print(f"kvq: warning: {name} {config} {split} has sha256 {digest}, not the {WIKITEXT_SHA256} "
+              f"results in this repo were measured on", file=sys.stderr)
+    path = cache_dir() / DEFAULT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    print(f"kvq: cached WikiText-2 at {path}", file=sys.stderr)
+    return path
 
 
 def load_text(text_file: str | None = None, dataset: str | None = None) -> tuple[str, str]:
-    """``(text, source)``: a file's text, a ``datasets`` split joined by newlines, or the default."""
+    """``(text, source)``: a file's text, a ``datasets`` split joined by newlines, or WikiText-2
+    (found locally or downloaded once, see the module docstring)."""
     if text_file and dataset:
         raise ValueError("give --text-file or --dataset, not both")
     if dataset:
@@ -35,10 +101,10 @@ def load_text(text_file: str | None = None, dataset: str | None = None) -> tuple
         ds = load_dataset(name, config, split=split or "test")
         column = "text" if "text" in ds.column_names else ds.column_names[0]
         return "\n".join(ds[column]), f"datasets:{dataset}"
-    path = Path(text_file) if text_file else default_text_path()
-    if path is None or not path.is_file():
-        raise FileNotFoundError(
-            f"text file {text_file or DEFAULT_FILE} not found; pass --text-file, set ${ENV}, or run from the repo "
-            "next to shared/data"
-        )
+    if text_file:
+        path = Path(text_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--text-file {text_file}: no such file")
+    else:
+        path = default_text_path() or download_wikitext()
     return path.read_text(encoding="utf-8"), str(path)

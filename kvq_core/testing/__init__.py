@@ -18,7 +18,9 @@ or, for a whole backend at once::
 What is checked, and the tie rule and tolerances, are documented in
 :mod:`kvq_core.testing.conformance`; the case generators (shapes, GQA ratios, token counts that
 are not multiples of any group size, head_dim 64/128, float32/float16/bfloat16, value regimes)
-in :mod:`kvq_core.testing.strategies`. Restrict the draw with the keyword arguments of
+in :mod:`kvq_core.testing.strategies` (also the layer and every secondary spec parameter;
+fixed edge cases on a non-default spec and at non-zero layers; an exact round-half-to-even
+tie check for integer-grid methods). Restrict the draw with the keyword arguments of
 :func:`check_method` (e.g. ``head_dims=(64,)``, ``spec_params={}`` for default specs only), and
 place inputs on a device with ``to_backend=`` (e.g. ``lambda a: torch.from_numpy(a).cuda()``).
 """
@@ -26,10 +28,12 @@ from kvq_core.testing.conformance import (
     ATTEND_LOGIT_RTOL,
     ATTEND_RTOL,
     DECODE_RTOL,
+    EDGE_CASES,
     FIELD_RTOL,
     REFERENCE,
     TIE_RTOL,
     TIE_RUNS,
+    TIE_TOKENS,
     ConformanceError,
     ConformanceReport,
     MethodReport,
@@ -38,15 +42,30 @@ from kvq_core.testing.conformance import (
     check_case,
     check_errors,
     check_method,
+    check_ties,
     decode_tolerance,
+    fixed_spec_list,
     methods_for,
     run_conformance,
 )
-from kvq_core.testing.strategies import DTYPES, HEAD_DIMS, REGIMES, SPEC_PARAMS, Case, case_arrays, cases, specs
+from kvq_core.testing.strategies import (
+    DTYPES,
+    EDGE_SPECS,
+    HEAD_DIMS,
+    LAYERS,
+    REGIMES,
+    SPEC_PARAMS,
+    TIE_SPECS,
+    Case,
+    case_arrays,
+    cases,
+    specs,
+)
 
 __all__ = [
-    "ATTEND_LOGIT_RTOL", "ATTEND_RTOL", "DECODE_RTOL", "DTYPES", "FIELD_RTOL", "HEAD_DIMS", "REFERENCE", "REGIMES",
-    "SPEC_PARAMS", "TIE_RTOL", "TIE_RUNS", "Case", "ConformanceError", "ConformanceReport", "MethodReport",
-    "attend_tolerance", "case_arrays", "cases", "check_backend", "check_case", "check_errors", "check_method",
-    "decode_tolerance", "methods_for", "run_conformance", "specs",
+    "ATTEND_LOGIT_RTOL", "ATTEND_RTOL", "DECODE_RTOL", "DTYPES", "EDGE_CASES", "EDGE_SPECS", "FIELD_RTOL", "HEAD_DIMS",
+    "LAYERS", "REFERENCE", "REGIMES", "SPEC_PARAMS", "TIE_RTOL", "TIE_RUNS", "TIE_SPECS", "TIE_TOKENS", "Case",
+    "ConformanceError", "ConformanceReport", "MethodReport", "attend_tolerance", "case_arrays", "cases",
+    "check_backend", "check_case", "check_errors", "check_method", "check_ties", "decode_tolerance",
+    "fixed_spec_list", "methods_for", "run_conformance", "specs",
 ]

@@ -17,9 +17,14 @@ it checks, against the reference backend (``"numpy"`` unless told otherwise):
    **per token** - for per-token layouts (:func:`~kvq_core.layout.token_separable`), the block's
    tokens encoded in two parts and joined (:func:`~kvq_core.layout.concat_tokens`) pass checks
    1-2 against the reference's whole block: a sliding-flush cache packs one token at a time;
+**exact ties** - for methods with an integer code grid (:data:`~kvq_core.testing.strategies.TIE_SPECS`:
+   OScaR, KIVI, QuaRot), a fixed block whose every group spans [-3, 3] at 2 bits (step exactly
+   2, half the codes exact .5 ties) must give the reference's codes exactly: round-half-to-even
+   is checked by design on every backend, not left to the draw or to ``exact_codes``;
 6. **typed errors** - bad input (rank, head_dim, empty, integer dtype, NaN/Inf, wrong packed
    kind, foreign spec, bad GQA ratio, bad scale) raises the documented :class:`KVQError` subclass;
-   input whose stored fields would overflow (|x| ~ 1e6 past float16) raises InputError or decodes finite.
+   input whose stored fields would overflow (|x| ~ 1e6 past float16) raises InputError or decodes finite;
+   nonzero input whose stored fields would underflow (|x| ~ 1e-30) raises InputError or decodes nonzero.
 
 Tie rule (how "the pre-rounding value lies within the tie tolerance of a decision boundary" is
 decided, for every method alike, including normalising codecs where a global rescale changes
@@ -39,6 +44,13 @@ which turns the rule off and pins round-half-to-even (the ``integers`` regime ma
 .5s). And a group whose codes are pure rounding noise (values ~1e-7 of the group's own scale)
 is covered only statistically. The perturbed runs are made only when something mismatches.
 
+What is drawn besides shapes, dtypes and regimes: the spec's secondary parameters
+(:data:`~kvq_core.testing.strategies.SPEC_PARAMS`) and the layer (constants such as rotation
+signs differ per layer). Fixed edge cases run on the default spec and on a non-default one
+(:data:`~kvq_core.testing.strategies.EDGE_SPECS`), some at a non-zero layer, so every kernel
+path a parameter selects is reached whatever the draw; a compiled backend that bounds its
+draw with ``spec_params={}`` names the specs of its edge cases with ``fixed_specs``.
+
 Tolerances are relative to the data (see the functions below); all are stated as constants.
 """
 from __future__ import annotations
@@ -54,7 +66,20 @@ from kvq_core import registry
 from kvq_core.api import Quantizer
 from kvq_core.errors import InputError, KVQError, LayoutError
 from kvq_core.layout import PackedKV, concat_tokens, pack_codes, token_separable, unpack_codes
-from kvq_core.testing.strategies import DTYPES, HEAD_DIMS, REGIMES, Case, case_arrays, cases
+from kvq_core.testing.strategies import (
+    DTYPES,
+    EDGE_SPECS,
+    HEAD_DIMS,
+    LAYERS,
+    REGIMES,
+    TIE_REGIME,
+    TIE_SPECS,
+    Case,
+    case_arrays,
+    cases,
+    make_spec_or_none,
+    token_counts,
+)
 
 REFERENCE = "numpy"
 #: Relative per-element perturbation of the tie rule.
@@ -154,8 +179,8 @@ class _Pair:
     """The backend and reference quantizers of one spec, with array conversion between them."""
 
     def __init__(self, backend: str, reference: str, case: Case, to_backend: Callable[[np.ndarray], Any] | None) -> None:
-        self.qb = Quantizer(case.spec, backend)
-        self.qr = Quantizer(case.spec, reference)
+        self.qb = Quantizer(case.spec, backend, case.layer)
+        self.qr = Quantizer(case.spec, reference, case.layer)
         self.ab = self.qb.arrays
         self.ar = self.qr.arrays
         self._to_backend = to_backend
@@ -383,22 +408,65 @@ def check_errors(backend: str, method: str, *, to_backend: Callable[[np.ndarray]
     try:  # past float16 range: a stored field may overflow, which must raise rather than store Inf
         huge = q.encode_keys(conv(good * 1e6))
     except InputError:
-        return
-    if not np.isfinite(np.asarray(q.arrays.to_numpy(q.decode_keys(huge)), dtype=np.float64)).all():
-        raise ConformanceError(f"{backend}/{method}: keys of magnitude 1e6 encoded without error but decode to NaN/Inf")
+        pass
+    else:
+        if not np.isfinite(np.asarray(q.arrays.to_numpy(q.decode_keys(huge)), dtype=np.float64)).all():
+            raise ConformanceError(f"{backend}/{method}: keys of magnitude 1e6 encoded without error but decode to NaN/Inf")
+    for kind, encode, decode in (("keys", q.encode_keys, q.decode_keys), ("values", q.encode_values, q.decode_values)):
+        try:  # far below float16 range: stored fields may underflow, which must raise rather than store zeros
+            tiny = encode(conv(good * np.float32(1e-30)))
+        except InputError:
+            continue
+        if not np.any(np.asarray(q.arrays.to_numpy(decode(tiny)), dtype=np.float64) != 0):
+            raise ConformanceError(f"{backend}/{method}: nonzero {kind} of magnitude 1e-30 encoded without error "
+                                   "but decode to all zeros")
 
 
 # ------------------------------------------------------------------------------------------------
 # drivers
 # ------------------------------------------------------------------------------------------------
-def _examples_of(method: str) -> list[dict[str, Any]]:
-    """Fixed edge cases run on every method before the random ones."""
-    return [
-        dict(tokens=1, regime="gaussian", dtype="float32"),
-        dict(tokens=33, regime="zeros", dtype="float16"),
-        dict(tokens=17, regime="constant", dtype="bfloat16"),
-        dict(tokens=45, regime="integers", dtype="float32"),
-    ]
+#: Fixed edge cases run on every method before the random ones; the i-th runs on the i-th of
+#: the fixed specs (cyclically), so with two specs each gets a layer-0 and a non-zero-layer case.
+EDGE_CASES: tuple[dict[str, Any], ...] = (
+    dict(tokens=1, regime="gaussian", dtype="float32", layer=0),
+    dict(tokens=33, regime="zeros", dtype="float16", layer=0),
+    dict(tokens=17, regime="constant", dtype="bfloat16", layer=3),
+    dict(tokens=45, regime="integers", dtype="float32", layer=5),
+    dict(tokens=40, regime="gaussian", dtype="float32", layer=5),
+)
+#: The block of the tie check: tokens a multiple of every tie spec's token group.
+TIE_TOKENS = 64
+
+
+def fixed_spec_list(method: str, head_dim: int, spec_params: Mapping[str, Sequence[Any]] | None,
+                    fixed_specs: Sequence[Mapping[str, Any]] | None) -> list[Any]:
+    """The specs the edge cases run on: ``fixed_specs`` (parameter dicts) when given, else the
+    first choice of every ``spec_params`` entry (the default spec for ``{}``) and, when drawing
+    the built-in choices (``spec_params=None``), the method's :data:`EDGE_SPECS` entry.
+    Parameter sets invalid at ``head_dim`` are skipped."""
+    if fixed_specs is not None:
+        params = [dict(p) for p in fixed_specs]
+    else:
+        params = [{name: tuple(choices)[0] for name, choices in (spec_params or {}).items()}]
+        if spec_params is None and method in EDGE_SPECS:
+            params.append(EDGE_SPECS[method])
+    found = [make_spec_or_none(method, {**p, "head_dim": head_dim}) for p in params]
+    specs = [s for s in found if s is not None]
+    return specs or [registry.make_spec(method, head_dim=head_dim)]
+
+
+def check_ties(backend: str, method: str, *, reference: str = REFERENCE,
+               to_backend: Callable[[np.ndarray], Any] | None = None, head_dim: int = 64,
+               kv_heads: int = 2, gqa: int = 2, q_len: int = 1, report: MethodReport | None = None) -> MethodReport:
+    """The exact-tie check (see the module docstring) for a method listed in :data:`TIE_SPECS`;
+    a no-op for other methods."""
+    report = report or MethodReport(backend, method)
+    spec = make_spec_or_none(method, {**TIE_SPECS.get(method, {}), "head_dim": head_dim})
+    if method not in TIE_SPECS or spec is None:
+        return report
+    case = Case(spec, batch=1, kv_heads=kv_heads, tokens=TIE_TOKENS, gqa=gqa, q_len=q_len, dtype="float32",
+                regime=TIE_REGIME, seed=4321, layer=1)
+    return check_case(backend, case, reference=reference, to_backend=to_backend, report=report, exact_codes=True)
 
 
 def check_method(
@@ -418,7 +486,10 @@ def check_method(
     dtypes: Sequence[str] = DTYPES,
     regimes: Sequence[str] = REGIMES,
     spec_params: Mapping[str, Sequence[Any]] | None = None,
+    fixed_specs: Sequence[Mapping[str, Any]] | None = None,
+    layers: Sequence[int] = LAYERS,
     edge_cases: bool = True,
+    ties: bool = True,
     errors: bool = True,
     exact_codes: bool = False,
     derandomize: bool = True,
@@ -431,7 +502,9 @@ def check_method(
     one head_dim, one batch and ``spec_params={}`` (default spec only) to bound recompiles.
     ``to_backend`` converts a NumPy array to the backend's input (default: its adapter's
     ``asarray``; pass e.g. ``lambda a: torch.from_numpy(a).cuda()`` for a device).
-    ``exact_codes=True`` turns the tie rule off (see :func:`check_case`).
+    ``exact_codes=True`` turns the tie rule off (see :func:`check_case`). ``fixed_specs``
+    (parameter dicts) names the specs of the edge cases (see :func:`fixed_spec_list`);
+    ``layers`` the layers drawn; ``ties`` runs :func:`check_ties`.
     """
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
@@ -444,16 +517,19 @@ def check_method(
         check_errors(backend, method, to_backend=to_backend, head_dim=head_dims[0])
     token_strategy = st.sampled_from(tuple(tokens)) if tokens is not None else None
     strategy = cases(method, head_dims=head_dims, batches=batches, kv_heads=kv_heads, gqa=gqa, q_lens=q_lens,
-                     tokens=token_strategy if token_strategy is not None else _tokens(max_tokens),
-                     dtypes=dtypes, regimes=regimes, spec_params=spec_params)
+                     tokens=token_strategy if token_strategy is not None else token_counts(max_tokens),
+                     dtypes=dtypes, regimes=regimes, spec_params=spec_params, layers=layers)
+    if ties:
+        check_ties(backend, method, reference=reference, to_backend=to_backend, head_dim=head_dims[0],
+                   kv_heads=kv_heads[-1], gqa=gqa[-1], q_len=q_lens[0], report=report)
     if edge_cases:
-        spec = _default_spec(method, head_dims[0], spec_params)
-        for i, ex in enumerate(_examples_of(method)):
+        specs = fixed_spec_list(method, head_dims[0], spec_params, fixed_specs)
+        for i, ex in enumerate(EDGE_CASES):
             if ex["dtype"] not in dtypes or ex["regime"] not in regimes:
                 continue
             t = ex["tokens"] if tokens is None else tokens[i % len(tokens)]
-            case = Case(spec, batch=batches[0], kv_heads=kv_heads[-1], tokens=t,
-                        gqa=gqa[-1], q_len=q_lens[0], dtype=ex["dtype"], regime=ex["regime"], seed=1234 + i)
+            case = Case(specs[i % len(specs)], batch=batches[0], kv_heads=kv_heads[-1], tokens=t, gqa=gqa[-1],
+                        q_len=q_lens[0], dtype=ex["dtype"], regime=ex["regime"], seed=1234 + i, layer=ex["layer"])
             check_case(backend, case, reference=reference, to_backend=to_backend, report=report, exact_codes=exact_codes)
     if max_examples > 0:
         @settings(max_examples=max_examples, deadline=None, derandomize=derandomize, database=None,
@@ -465,22 +541,6 @@ def check_method(
 
         run()
     return report
-
-
-def _tokens(max_tokens: int) -> Any:
-    from kvq_core.testing.strategies import token_counts
-
-    return token_counts(max_tokens)
-
-
-def _default_spec(method: str, head_dim: int, spec_params: Mapping[str, Sequence[Any]] | None) -> Any:
-    """The first valid spec of the parameter choices (the default spec when none are given)."""
-    from kvq_core.testing.strategies import make_spec_or_none
-
-    params: dict[str, Any] = {"head_dim": head_dim}
-    for name, choices in (spec_params or {}).items():
-        params[name] = tuple(choices)[0]
-    return make_spec_or_none(method, params) or registry.make_spec(method, head_dim=head_dim)
 
 
 def check_backend(backend: str, methods: Iterable[str] | None = None, **kwargs: Any) -> ConformanceReport:
@@ -511,7 +571,8 @@ def run_conformance(backend: str, methods: Iterable[str] | None = None, *, raise
 
 
 __all__ = [
-    "ATTEND_LOGIT_RTOL", "ATTEND_RTOL", "DECODE_RTOL", "FIELD_RTOL", "REFERENCE", "TIE_RTOL", "TIE_RUNS",
-    "ConformanceError", "ConformanceReport", "MethodReport", "attend_tolerance", "check_backend", "check_case",
-    "check_errors", "check_method", "decode_tolerance", "methods_for", "run_conformance",
+    "ATTEND_LOGIT_RTOL", "ATTEND_RTOL", "DECODE_RTOL", "EDGE_CASES", "FIELD_RTOL", "REFERENCE", "TIE_RTOL", "TIE_RUNS",
+    "TIE_TOKENS", "ConformanceError", "ConformanceReport", "MethodReport", "attend_tolerance", "check_backend",
+    "check_case", "check_errors", "check_method", "check_ties", "decode_tolerance", "fixed_spec_list", "methods_for",
+    "run_conformance",
 ]

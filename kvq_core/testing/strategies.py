@@ -15,6 +15,14 @@ Value regimes (:data:`REGIMES`):
 - ``large``: magnitudes around 1e3 (x3e3 for a few tokens);
 - ``integers``: small integers in [-3, 3], which put many pre-rounding values exactly on .5
   (tests round-half-to-even) and many groups' ranges on exact binary fractions.
+
+Not drawn, used by the fixed tie check (:data:`TIE_SPECS`): ``ties``: ``x[t, c] = (t + c + r)
+mod 7 - 3`` (``r`` random per batch and head), so every group of >= 7 consecutive tokens or
+channels spans exactly [-3, 3]: at 2 bits the step is exactly 2 and half the codes are exact
+.5 ties, computed exactly by any correct float32 arithmetic.
+
+Layers (:data:`LAYERS`) are drawn too: seeded methods draw their rotation signs per layer, so
+a kernel that reads another layer's constants fails every case but layer 0's.
 """
 from __future__ import annotations
 
@@ -34,6 +42,10 @@ from kvq_core.errors import SpecError
 from kvq_core.spec import MethodSpec
 
 REGIMES = ("gaussian", "outliers", "sinks", "zeros", "constant", "large", "integers")
+#: The regime of the tie check (not drawn at random; see the module docstring).
+TIE_REGIME = "ties"
+#: Layers drawn (0 and two others: a kernel using layer 0's constants fails on the others).
+LAYERS = (0, 1, 5)
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 #: Token counts always worth trying: 1, around every power-of-two group size, and odd ones.
@@ -48,20 +60,48 @@ SPEC_PARAMS: dict[str, dict[str, Sequence[Any]]] = {
               "token_scaling": (True, False), "rotation": (True, False)},
     "kivi": {"bits": (1, 2, 3, 4, 8), "group": (16, 32, 64)},
     "quarot": {"bits": (2, 3, 4, 8), "rotation": (True, False), "clip_ratio": (1.0, 0.9)},
-    "octopus": {"bits": (2, 3, 4), "rounding": ("joint", "plain"), "values": ("octopus", "fp16"), "seed": (0, 7)},
+    "octopus": {"bits": (2, 3, 4), "xi_bits": (None, 2, 4), "eta_bits": (None, 3), "rho_bits": (None, 2),
+                "rounding": ("joint", "plain"), "values": ("octopus", "fp16"), "seed": (0, 7)},
     "turboquant": {"bits": (1, 2, 3, 4), "rotation": ("hadamard", "haar"), "norm_correction": (False, True),
                    "high_bits_coords": (0, 16), "seed": (0, 3)},
     "turboquant_prod": {"bits": (2, 3, 4), "rotation": ("hadamard", "haar"), "sketch": ("gaussian", "orthogonal"),
                         "values": ("prod", "mse"), "seed": (0, 3)},
-    "qjl": {"sketch_dim": (64, 256), "sketch": ("gaussian", "orthogonal"), "value_bits": (2, 4), "seed": (0, 3)},
+    "qjl": {"sketch_dim": (64, 256), "sketch": ("gaussian", "orthogonal"), "value_bits": (2, 4), "value_group": (None, 16),
+            "seed": (0, 3)},
     "polarquant": {"level_bits": ((4, 2, 2, 2), (3, 2), (2, 2, 2)), "radius_dtype": ("float16", "float32"),
                    "rotation": ("hadamard", "none"), "seed": (0, 3)},
+}
+
+#: A non-default spec per built-in method that the fixed edge cases run on besides the default
+#: one, so every kernel branch a parameter selects is reached deterministically, whatever the
+#: random draw (e.g. OCTOPUS with xi and eta codebooks of different sizes; OScaR's other bit
+#: width, groups and switches). Invalid at some head_dim: skipped there.
+EDGE_SPECS: dict[str, dict[str, Any]] = {
+    "fp16": {"storage": "float32"},
+    "oscar": {"bits": 4, "key_group": 16, "value_group": 16, "token_scaling": False, "rotation": False},
+    "kivi": {"bits": 3, "group": 16},
+    "quarot": {"bits": 3, "rotation": False, "clip_ratio": 0.9},
+    "octopus": {"bits": 3, "xi_bits": 2, "eta_bits": 5, "rounding": "joint", "seed": 7},
+    "turboquant": {"bits": 3, "rotation": "haar", "norm_correction": True, "high_bits_coords": 16, "seed": 3},
+    "turboquant_prod": {"bits": 3, "rotation": "haar", "sketch": "orthogonal", "values": "mse", "seed": 3},
+    "qjl": {"sketch_dim": 64, "sketch": "orthogonal", "value_bits": 4, "value_group": 16, "seed": 3},
+    "polarquant": {"level_bits": (3, 2), "radius_dtype": "float32", "rotation": "none", "seed": 3},
+}
+
+#: Specs whose codes are an integer grid with a step of exactly 2 on the :data:`TIE_REGIME`
+#: data (2 bits over a range of 6, no rotation or norm scaling): the tie check compares their
+#: codes exactly, pinning round-half-to-even on every backend without the tie rule's excuse.
+TIE_SPECS: dict[str, dict[str, Any]] = {
+    "oscar": {"bits": 2, "key_group": 32, "value_group": 16, "token_scaling": False, "rotation": False},
+    "kivi": {"bits": 2, "group": 32},
+    "quarot": {"bits": 2, "rotation": False},
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One conformance example: a spec, a K/V block shape, the query shape, dtype and regime."""
+    """One conformance example: a spec, a K/V block shape, the query shape, dtype, regime and
+    the layer the quantizers are built for (its constants, e.g. rotation signs)."""
 
     spec: MethodSpec
     batch: int
@@ -72,6 +112,7 @@ class Case:
     dtype: str
     regime: str
     seed: int
+    layer: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -83,7 +124,7 @@ class Case:
 
     def __repr__(self) -> str:
         return (f"Case({self.spec.describe()}, shape={list(self.shape)}, q_shape={list(self.q_shape)}, "
-                f"dtype={self.dtype!r}, regime={self.regime!r}, seed={self.seed})")
+                f"dtype={self.dtype!r}, regime={self.regime!r}, seed={self.seed}, layer={self.layer})")
 
 
 def make_spec_or_none(method: str, params: Mapping[str, Any]) -> MethodSpec | None:
@@ -138,6 +179,7 @@ def cases(
     dtypes: Sequence[str] = DTYPES,
     regimes: Sequence[str] = REGIMES,
     spec_params: Mapping[str, Sequence[Any]] | None = None,
+    layers: Sequence[int] = LAYERS,
 ) -> Case:
     """A :class:`Case` of ``method``; every argument restricts what is drawn."""
     return Case(
@@ -150,6 +192,7 @@ def cases(
         dtype=draw(st.sampled_from(tuple(dtypes))),
         regime=draw(st.sampled_from(tuple(regimes))),
         seed=draw(st.integers(0, 2**31 - 1)),
+        layer=draw(st.sampled_from(tuple(layers))),
     )
 
 
@@ -200,8 +243,13 @@ def regime_kv(regime: str, shape: Sequence[int], rng: np.random.Generator) -> tu
     elif regime == "integers":
         k = rng.integers(-3, 4, (b, h, t, d)).astype(np.float32)
         v = rng.integers(-3, 4, (b, h, t, d)).astype(np.float32)
+    elif regime == TIE_REGIME:
+        r = rng.integers(0, 7, (b, h, 1, 1))
+        grid = np.arange(t)[:, None] + np.arange(d)[None, :]
+        k = ((grid + r) % 7 - 3).astype(np.float32)
+        v = ((grid + r + 3) % 7 - 3).astype(np.float32)
     elif regime != "gaussian":
-        raise ValueError(f"unknown regime {regime!r}; expected one of {REGIMES}")
+        raise ValueError(f"unknown regime {regime!r}; expected one of {(*REGIMES, TIE_REGIME)}")
     return k, v
 
 
@@ -214,6 +262,6 @@ def case_arrays(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 __all__ = [
-    "Case", "DTYPES", "HEAD_DIMS", "REGIMES", "SPECIAL_TOKENS", "SPEC_PARAMS",
-    "case_arrays", "cases", "make_spec_or_none", "regime_kv", "specs", "token_counts",
+    "Case", "DTYPES", "EDGE_SPECS", "HEAD_DIMS", "LAYERS", "REGIMES", "SPECIAL_TOKENS", "SPEC_PARAMS", "TIE_REGIME",
+    "TIE_SPECS", "case_arrays", "cases", "make_spec_or_none", "regime_kv", "specs", "token_counts",
 ]
