@@ -110,7 +110,9 @@ class ArrayAdapter(Protocol):
 
     # Optional: ``concat(xs, axis)`` joins backend arrays (else the core joins through NumPy,
     # :func:`kvq_core.layout.concat_tokens`); ``device_of(x)`` names the device of an input
-    # (None for host arrays) so the registry can ask ``supports(spec, device)`` per call.
+    # (None for host arrays) so the registry can ask ``supports(spec, device)`` per call;
+    # ``max_abs(x) -> float | None`` is the largest |x| for the underflow check (None: skip it;
+    # without the method the core goes through ``to_numpy``).
 
 
 @dataclasses.dataclass(frozen=True)
