@@ -1,9 +1,12 @@
-"""The public conformance suite (kvq_core.testing) run against every built-in backend.
+"""The public conformance suite (kvq_core.testing) run against every registered backend.
 
-numpy checks the suite against itself (and the typed errors); torch (eager kvq:: ops) draws
-the full strategy; torch-compiled (inductor) uses a few fixed-shape cases per method so the
-number of compiled graphs stays bounded (5 per method). Backends whose package is missing are
-skipped with the reason; a backend that imports but fails is a failure.
+The backends come from ``registry.list_backends()`` (kvq's entry points and any installed
+plugin's), not a hand-kept list. numpy checks the suite against itself (and the typed errors);
+torch (eager kvq:: ops) draws the full strategy; torch-compiled (inductor) uses a few fixed-shape
+cases per method so the number of compiled graphs stays bounded (5 per method); others draw
+``DEFAULT_SETTINGS``. A backend unavailable here (triton without a GPU or its interpreter) is
+skipped with its reason (tests/test_triton.py runs it under the interpreter in a child process);
+a backend that is available but fails is a failure.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import pytest
 from kvq_core import registry, testing
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-BACKENDS = ["numpy", "torch", "torch-compiled"]
+#: every registered backend, available or not (an unavailable one is skipped with its reason)
+BACKENDS = [b.name for b in registry.list_backends()]
+DEFAULT_SETTINGS = dict(max_examples=10)
 #: methods whose torch kernels mirror the reference's float32 arithmetic op for op (no float
 #: reductions in a different order), so their codes must match with no tie excuse at all.
 EXACT_ON_TORCH = {"fp16", "kivi"}
@@ -36,37 +41,35 @@ SETTINGS = {
 COMPILED_FIXED_SPECS = {"oscar": [{}, testing.EDGE_SPECS["oscar"]]}
 
 
-def _methods(backend: str) -> list[str]:
-    if backend != "numpy" and not HAS_TORCH:
-        return []
-    try:
-        return testing.methods_for(backend)
-    except Exception:  # reported by the test below
-        return []
-
-
 def _params():
     for backend in BACKENDS:
         marks = [pytest.mark.compile] if backend == "torch-compiled" else []
-        if backend != "numpy" and not HAS_TORCH:
-            yield pytest.param(backend, None, marks=pytest.mark.skip(reason="torch is not installed"), id=f"{backend}")
+        ok, reason = registry.backend_status(backend)
+        if not ok:
+            yield pytest.param(backend, None, marks=pytest.mark.skip(reason=f"{backend} unavailable: {reason}"),
+                               id=backend)
             continue
-        for method in _methods(backend):
+        for method in testing.methods_for(backend):
             yield pytest.param(backend, method, marks=marks, id=f"{backend}-{method}")
+
+
+def test_reference_backends_are_registered() -> None:
+    names = set(BACKENDS)
+    assert {"numpy"} <= names and (not HAS_TORCH or {"torch", "torch-compiled"} <= names), names
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_registered(backend: str) -> None:
-    if backend != "numpy" and not HAS_TORCH:
-        pytest.skip("torch is not installed")
     ok, reason = registry.backend_status(backend)
-    assert ok, f"{backend} unavailable: {reason}"
+    if not ok:
+        assert reason, f"{backend} is unavailable without a reason"
+        pytest.skip(f"{backend} unavailable: {reason}")
     assert testing.methods_for(backend), f"{backend} implements no method of the reference"
 
 
 @pytest.mark.parametrize(("backend", "method"), list(_params()))
 def test_conformance(backend: str, method: str) -> None:
-    kwargs = dict(SETTINGS[backend])
+    kwargs = dict(SETTINGS.get(backend, DEFAULT_SETTINGS))
     if backend == "torch-compiled" and method in COMPILED_FIXED_SPECS:
         kwargs["fixed_specs"] = COMPILED_FIXED_SPECS[method]
     if backend.startswith("torch") and method in EXACT_ON_TORCH:
