@@ -34,6 +34,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("kvq-methods", "kvq_core.methods"),
     ("numpy", "kvq_numpy.plugin"),
     ("torch", "kvq_torch.plugin"),
+    ("numba", "kvq_numba.plugin"),
 )
 DISABLE_ENV = "KVQ_DISABLE_PLUGINS"
 

@@ -1,0 +1,104 @@
+"""Scalar and row helpers shared by the Numba CPU kernels: float16 bits, bit (un)packing, the FWHT.
+
+Numba has no float16 on the CPU, so stored float16 fields travel as their uint16 bit patterns and
+are widened here exactly. Code rows follow kvq_core.layout's rule (little-endian bitstream, LSB
+first, zero padding to whole bytes). The FWHT repeats kvq_core.math.hadamard.fwht's float32
+butterflies in the same order, so a rotation is bitwise the reference's.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: 2**(e - 25) for float16 exponent field e (e = 0: subnormals, scale 2**-24), as float32.
+_POW2 = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 31)] + [np.inf], dtype=np.float32)
+
+
+@njit(inline="always", cache=True)
+def half_to_float(h: np.uint16) -> np.float32:
+    """The float32 value of float16 bits ``h`` (exact; NaN payloads become Inf)."""
+    u = np.int32(h)
+    e = (u >> 10) & 0x1F
+    m = u & 0x3FF
+    if e != 0:
+        m |= 0x400
+    v = np.float32(m) * _POW2[e]
+    return -v if u & 0x8000 else v
+
+
+def half_bits(a: np.ndarray) -> np.ndarray:
+    """A float16 array as its contiguous uint16 bit patterns (no copy when already contiguous)."""
+    return np.ascontiguousarray(a, dtype=np.float16).view(np.uint16)
+
+
+@njit(inline="always", cache=True)
+def pack_row(codes, bits, out) -> None:
+    """Pack unsigned ``codes`` (any int dtype, < 2**bits) into the uint8 row ``out`` (layout rule)."""
+    acc = np.uint32(0)
+    nacc = 0
+    j = 0
+    for i in range(codes.shape[0]):
+        acc |= np.uint32(codes[i]) << np.uint32(nacc)
+        nacc += bits
+        while nacc >= 8:
+            out[j] = np.uint8(acc & np.uint32(0xFF))
+            acc >>= np.uint32(8)
+            nacc -= 8
+            j += 1
+    if nacc > 0:
+        out[j] = np.uint8(acc & np.uint32(0xFF))
+
+
+@njit(inline="always", cache=True)
+def unpack_row(row, bits, count, out) -> None:
+    """Unpack ``count`` codes of ``bits`` bits from the uint8 ``row`` into ``out`` (float32 or int)."""
+    if bits == 2 and count % 4 == 0:
+        for j in range(count // 4):
+            b = np.int32(row[j])
+            out[4 * j] = b & 3
+            out[4 * j + 1] = (b >> 2) & 3
+            out[4 * j + 2] = (b >> 4) & 3
+            out[4 * j + 3] = (b >> 6) & 3
+    elif bits == 4 and count % 2 == 0:
+        for j in range(count // 2):
+            b = np.int32(row[j])
+            out[2 * j] = b & 15
+            out[2 * j + 1] = b >> 4
+    elif bits == 8:
+        for j in range(count):
+            out[j] = row[j]
+    else:
+        mask = np.uint32((1 << bits) - 1)
+        acc = np.uint32(0)
+        nacc = 0
+        j = 0
+        for i in range(count):
+            while nacc < bits:
+                acc |= np.uint32(row[j]) << np.uint32(nacc)
+                nacc += 8
+                j += 1
+            out[i] = acc & mask
+            acc >>= np.uint32(bits)
+            nacc -= bits
+
+
+@njit(inline="always", cache=True)
+def fwht_row(y, inv_sqrt_d) -> None:
+    """In place: ``y <- y H`` (orthonormal Sylvester), the reference's butterfly order, float32."""
+    d = y.shape[0]
+    h = 1
+    while h < d:
+        for i in range(0, d, 2 * h):
+            for j in range(i, i + h):
+                a = y[j]
+                b = y[j + h]
+                y[j] = a + b
+                y[j + h] = a - b
+        h *= 2
+    for j in range(d):
+        y[j] *= inv_sqrt_d
+
+
+def inv_sqrt(d: int) -> np.float32:
+    """``float32(1/sqrt(d))``, the factor the reference FWHT scales by."""
+    return np.float32(1.0 / np.sqrt(d))

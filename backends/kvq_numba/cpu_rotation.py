@@ -1,0 +1,54 @@
+"""Numba CPU row transforms around the integer codes: the Hadamard rotation of head vectors and
+OScaR's omni-token norm, with the reference's float32 arithmetic (kvq_numpy.oscar)."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from kvq_numba.cpu_common import fwht_row
+
+
+@njit(parallel=True, cache=True)
+def rotate(x, inv_sqrt_d):
+    """A copy of float32 ``x`` [b, h, t, d] with every row multiplied by H (its own inverse)."""
+    nb, nh, nt, d = x.shape
+    y = x.copy()
+    for bh in prange(nb * nh):
+        b, h = bh // nh, bh % nh
+        for t in range(nt):
+            fwht_row(y[b, h, t], inv_sqrt_d)
+    return y
+
+
+@njit(parallel=True, cache=True)
+def unit_keys(kr):
+    """OTS: (kr / n_t, n_t) with n_t the float32 L2 norm of token t over every head and channel
+    (1 where not > 0), for rotated keys kr float32 [b, h, t, d]; norms are float32 [b, t]."""
+    nb, nh, nt, d = kr.shape
+    norm = np.empty((nb, nt), np.float32)
+    u = np.empty_like(kr)
+    for bt in prange(nb * nt):
+        b, t = bt // nt, bt % nt
+        ss = np.float32(0)
+        for h in range(nh):
+            for c in range(d):
+                ss += kr[b, h, t, c] * kr[b, h, t, c]
+        n = np.sqrt(ss)
+        n = n if n > 0 else np.float32(1)
+        norm[b, t] = n
+        for h in range(nh):
+            for c in range(d):
+                u[b, h, t, c] = kr[b, h, t, c] / n
+    return u, norm
+
+
+@njit(parallel=True, cache=True)
+def scale_tokens(x, norm):
+    """In place: ``x[b, h, t, :] *= norm[b, t]`` (undoing OTS on decoded unit keys)."""
+    nb, nh, nt, d = x.shape
+    for bh in prange(nb * nh):
+        b, h = bh // nh, bh % nh
+        for t in range(nt):
+            n = norm[b, t]
+            for c in range(d):
+                x[b, h, t, c] *= n

@@ -1,0 +1,102 @@
+"""Registers the ``numba`` backend: ``@njit`` CPU kernels, and ``numba.cuda`` kernels for CUDA input.
+
+Kernel classes load lazily per method (a failing import makes only that method unavailable).
+:func:`supports` says per (spec, device) whether the backend runs it and, if not, why;
+:func:`kvq_select_backend` makes ``backend="auto"`` pick numba on the CPU where it supports the method.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from kvq_core.hookspecs import hookimpl
+from kvq_core.registry import BackendInfo, make_spec
+from kvq_core.spec import MethodSpec
+from kvq_numba.arrays import NumbaArrays
+
+NAME = "numba"
+
+#: method -> "module:Class" of its kernels (CPU and CUDA in one class)
+KERNELS: dict[str, str] = {
+    "oscar": "kvq_numba.intcodes:OscarNumba",
+    "kivi": "kvq_numba.intcodes:KiviNumba",
+    "octopus": "kvq_numba.octopus:OctopusNumba",
+}
+#: methods with CUDA kernels
+CUDA_METHODS = ("oscar", "octopus")
+
+
+def _load(path: str) -> Any:
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _lazy(path: str) -> Callable[[MethodSpec], Any]:
+    """A kernel factory that imports ``module:Class`` on first use."""
+
+    def factory(spec: MethodSpec) -> Any:
+        return _load(path)(spec)
+
+    factory.__qualname__ = factory.__name__ = path
+    return factory
+
+
+def _device_kind(device: str | None) -> str:
+    return "cpu" if device is None else str(device).split(":")[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_status() -> tuple[bool, str | None]:
+    try:
+        from numba import cuda
+
+        if cuda.is_available():
+            return True, None
+        return False, "numba.cuda finds no CUDA driver/GPU (set NUMBA_ENABLE_CUDASIM=1 for the simulator)"
+    except Exception as exc:  # pragma: no cover - broken numba-cuda install
+        return False, f"numba.cuda failed: {type(exc).__name__}: {exc}"
+
+
+def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
+    """(ok, reason): whether the numba backend runs ``spec`` on ``device`` ("cpu"/None, "cuda[:i]")."""
+    kind = _device_kind(device)
+    if spec.method not in KERNELS:
+        return False, f"numba has no kernels for method {spec.method!r}; it implements {', '.join(sorted(KERNELS))}"
+    if kind == "cpu":
+        return True, None
+    if kind != "cuda":
+        return False, f"numba runs on cpu and cuda devices, not {device!r}"
+    if spec.method not in CUDA_METHODS:
+        return False, f"numba has CUDA kernels for {', '.join(CUDA_METHODS)} only, not {spec.method!r}"
+    if spec.method == "oscar" and spec.bits not in (2, 4, 8):
+        return False, f"numba's CUDA OScaR kernels take bits 2, 4 or 8, not {spec.bits}"
+    return _cuda_status()
+
+
+def _available() -> tuple[bool, str | None]:
+    try:
+        import numba  # noqa: F401
+    except ImportError as exc:
+        return False, f"numba is not installed: {exc}"
+    return True, None
+
+
+@hookimpl
+def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
+    import numba
+
+    info = BackendInfo(NAME, {m: _lazy(p) for m, p in KERNELS.items()}, NumbaArrays(), _available,
+                       summary=f"Numba {numba.__version__}: @njit CPU kernels; numba.cuda kernels for CUDA input")
+    object.__setattr__(info, "supports", supports)  # the new contract's field; wired by the lead on main
+    register(info)
+
+
+@hookimpl
+def kvq_select_backend(method: str, device: str | None, candidates: list[str]) -> str | None:
+    """``backend="auto"`` on the CPU (device None or "cpu") picks numba when it supports the method."""
+    if NAME not in candidates or _device_kind(device) != "cpu":
+        return None
+    ok, _ = supports(make_spec(method), device)
+    return NAME if ok else None

@@ -1,0 +1,52 @@
+"""The Numba backend: conformance of its CPU kernels with the NumPy reference, its ``supports``
+answers, CPU auto-selection, and that kernels compile once per signature (not per example)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from kvq_core import registry, testing
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+
+CPU_METHODS = ["oscar", "kivi", "octopus"]
+#: methods whose CPU encode mirrors the reference's float32 arithmetic op for op (no reduction
+#: in another order), so codes must be bit-identical, round-half-to-even ties included.
+EXACT = {"kivi"}
+
+
+@pytest.mark.parametrize("method", CPU_METHODS)
+def test_cpu_conformance(method: str) -> None:
+    report = testing.check_method("numba", method, max_examples=12, exact_codes=method in EXACT)
+    assert report.examples > 0 and report.codes_compared > 0
+
+
+def test_kernels_compile_once_per_signature() -> None:
+    """Many conformance shapes/dtypes reuse one compiled specialisation per kernel (fixed dtypes)."""
+    from kvq_numba import cpu_attend, cpu_intquant
+
+    testing.check_method("numba", "oscar", max_examples=4, errors=False)
+    for kernel in (cpu_attend.attend_int_codes, cpu_intquant.encode_token_groups, cpu_intquant.decode_channel_groups):
+        assert 1 <= len(kernel.signatures) <= 2, (kernel, kernel.signatures)
+
+
+def test_supports_names_what_is_missing() -> None:
+    from kvq_numba.plugin import supports
+
+    assert supports(registry.make_spec("oscar"), "cpu") == (True, None)
+    assert supports(registry.make_spec("kivi"), None) == (True, None)
+    ok, why = supports(registry.make_spec("quarot"), "cpu")
+    assert not ok and "quarot" in why
+    ok, why = supports(registry.make_spec("kivi"), "cuda")
+    assert not ok and "kivi" in why
+    ok, why = supports(registry.make_spec("oscar", bits=3), "cuda:0")
+    assert not ok and "bits" in why
+    ok, why = supports(registry.make_spec("oscar"), "mps")
+    assert not ok and "mps" in why
+
+
+def test_auto_picks_numba_on_cpu_only_where_supported() -> None:
+    assert registry.select_backend("oscar", "cpu") == "numba"
+    assert registry.select_backend("octopus", None) == "numba"
+    assert registry.select_backend("quarot", "cpu") != "numba"
