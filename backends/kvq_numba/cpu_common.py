@@ -26,6 +26,28 @@ def half_to_float(h: np.uint16) -> np.float32:
     return -v if u & 0x8000 else v
 
 
+@njit(fastmath=True, cache=True)
+def halves_to_floats(src, dst) -> None:
+    """``dst[:] = float32(src[:])`` for float16 bits ``src`` (uint16, 1-D): exact, vectorisable.
+
+    Normal numbers by re-biasing the bits in an int32 view of ``dst``; zeros and subnormals
+    (exponent field 0) fixed up in a second pass; Inf/NaN keep their class.
+    """
+    di = dst.view(np.int32)
+    n = src.shape[0]
+    for c in range(n):
+        h = np.int32(src[c])
+        bits = ((h & 0x8000) << 16) | (((h & 0x7FFF) << 13) + 0x38000000)
+        if h & 0x7C00 == 0x7C00:
+            bits |= 0x7F800000
+        di[c] = bits
+    for c in range(n):
+        h = np.int32(src[c])
+        if h & 0x7C00 == 0:
+            v = np.float32(h & 0x3FF) * np.float32(2.0**-24)
+            dst[c] = -v if h & 0x8000 else v
+
+
 def half_bits(a: np.ndarray) -> np.ndarray:
     """A float16 array as its contiguous uint16 bit patterns (no copy when already contiguous)."""
     return np.ascontiguousarray(a, dtype=np.float16).view(np.uint16)
@@ -50,36 +72,44 @@ def pack_row(codes, bits, out) -> None:
 
 
 @njit(inline="always", cache=True)
-def unpack_row(row, bits, count, out) -> None:
-    """Unpack ``count`` codes of ``bits`` bits from the uint8 ``row`` into ``out`` (float32 or int)."""
+def unpack_rows(codes, t0, n, bits, count, out) -> None:
+    """Unpack rows ``t0 .. t0+n`` of the uint8 code rows ``codes`` [rows, row_bytes] into
+    ``out[0 .. n]`` [>= n, count] (float32 or int): ``count`` codes of ``bits`` bits per row.
+
+    Works on 2-D arrays with plain indices (no per-row views) so LLVM vectorises the fast paths.
+    """
     if bits == 2 and count % 4 == 0:
-        for j in range(count // 4):
-            b = np.int32(row[j])
-            out[4 * j] = b & 3
-            out[4 * j + 1] = (b >> 2) & 3
-            out[4 * j + 2] = (b >> 4) & 3
-            out[4 * j + 3] = (b >> 6) & 3
+        for i in range(n):
+            for j in range(count // 4):
+                b = np.int32(codes[t0 + i, j])
+                out[i, 4 * j] = b & 3
+                out[i, 4 * j + 1] = (b >> 2) & 3
+                out[i, 4 * j + 2] = (b >> 4) & 3
+                out[i, 4 * j + 3] = (b >> 6) & 3
     elif bits == 4 and count % 2 == 0:
-        for j in range(count // 2):
-            b = np.int32(row[j])
-            out[2 * j] = b & 15
-            out[2 * j + 1] = b >> 4
+        for i in range(n):
+            for j in range(count // 2):
+                b = np.int32(codes[t0 + i, j])
+                out[i, 2 * j] = b & 15
+                out[i, 2 * j + 1] = b >> 4
     elif bits == 8:
-        for j in range(count):
-            out[j] = row[j]
+        for i in range(n):
+            for j in range(count):
+                out[i, j] = codes[t0 + i, j]
     else:
         mask = np.uint32((1 << bits) - 1)
-        acc = np.uint32(0)
-        nacc = 0
-        j = 0
-        for i in range(count):
-            while nacc < bits:
-                acc |= np.uint32(row[j]) << np.uint32(nacc)
-                nacc += 8
-                j += 1
-            out[i] = acc & mask
-            acc >>= np.uint32(bits)
-            nacc -= bits
+        for i in range(n):
+            acc = np.uint32(0)
+            nacc = 0
+            j = 0
+            for c in range(count):
+                while nacc < bits:
+                    acc |= np.uint32(codes[t0 + i, j]) << np.uint32(nacc)
+                    nacc += 8
+                    j += 1
+                out[i, c] = acc & mask
+                acc >>= np.uint32(bits)
+                nacc -= bits
 
 
 @njit(inline="always", cache=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import half_to_float, pack_row, unpack_row
+from kvq_numba.cpu_common import half_to_float, pack_row, unpack_rows
 
 #: zero-point modes: integer (OScaR, QuaRot) and the group minimum (KIVI); kvq_numpy.intquant.
 ZERO_INTEGER, ZERO_MIN = 0, 1
@@ -122,18 +122,17 @@ def decode_token_groups(codes, scale_bits, offset_bits, bits, group, d):
     out = np.empty((nb, nh, nt, d), np.float32)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
+        x = out[b, h]
+        unpack_rows(codes[b, h], 0, nt, bits, d, x)
         s = np.empty(d, np.float32)
         o = np.empty(d, np.float32)
-        c = np.empty(d, np.float32)
         for t in range(nt):
-            g = t // group
             if t % group == 0:
                 for j in range(d):
-                    s[j] = half_to_float(scale_bits[b, h, g, j])
-                    o[j] = half_to_float(offset_bits[b, h, g, j])
-            unpack_row(codes[b, h, t], bits, d, c)
+                    s[j] = half_to_float(scale_bits[b, h, t // group, j])
+                    o[j] = half_to_float(offset_bits[b, h, t // group, j])
             for j in range(d):
-                out[b, h, t, j] = c[j] * s[j] + o[j]
+                x[t, j] = x[t, j] * s[j] + o[j]
     return out
 
 
@@ -144,12 +143,13 @@ def decode_channel_groups(codes, scale_bits, offset_bits, bits, group, d):
     out = np.empty((nb, nh, nt, d), np.float32)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
-        c = np.empty(d, np.float32)
+        x = out[b, h]
+        unpack_rows(codes[b, h], 0, nt, bits, d, x)
+        xg = x.reshape((nt, d // group, group))
         for t in range(nt):
-            unpack_row(codes[b, h, t], bits, d, c)
             for g in range(d // group):
                 s = half_to_float(scale_bits[b, h, t, g])
                 o = half_to_float(offset_bits[b, h, t, g])
-                for j in range(g * group, (g + 1) * group):
-                    out[b, h, t, j] = c[j] * s + o
+                for j in range(group):
+                    xg[t, g, j] = xg[t, g, j] * s + o
     return out
