@@ -19,6 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu_common import halves_to_floats, unpack_rows
+from kvq_numba.cpu_octopus import decode_rows
 
 #: tokens per online-softmax block
 BLOCK = 32
@@ -215,6 +216,58 @@ def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale
                 halves_to_floats(voc[t0 * nvg:(t0 + n) * nvg], vo[:n * nvg])
                 _dequant_values(vgrp, n, vs.reshape((BLOCK, nvg)), vo.reshape((BLOCK, nvg)))
                 _accumulate(p, vbuf, n, acc)
+        for r in range(nr):
+            inv = np.float32(1) / l[r]
+            for c in range(d):
+                out[b, h, r, c] = acc[r, c] * inv
+            lse[b, h, r] = m[r] + np.log(l[r])
+    return out, lse
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, eta_bits, rho_bits, n_eta,
+                   rho_cb, dirs, scale):
+    """OCTOPUS attention of rotated queries ``q`` float32 [b, hk, rows, d] over triplet codes.
+
+    Keys: logit = gamma_t * <q, v_hat_t> * scale with v_hat_t decoded once per KV head and block.
+    Values: ``vgamma * v_hat`` (rotated domain; the caller un-rotates the output) or, when
+    ``values_fp16``, the float16 rows ``vhalf`` (uint16 bits [b, hk, t, d], original domain).
+    Returns (out float32 [b, hk, rows, d], lse float32 [b, hk, rows]).
+    """
+    nb, nhk, nr, d = q.shape
+    nt = kcodes.shape[2]
+    ntrip = (d + 2) // 3
+    out = np.empty((nb, nhk, nr, d), np.float32)
+    lse = np.empty((nb, nhk, nr), np.float32)
+    for bh in prange(nb * nhk):
+        b, h = bh // nhk, bh % nhk
+        m = np.full(nr, -np.inf, np.float32)
+        l = np.zeros(nr, np.float32)
+        acc = np.zeros((nr, d), np.float32)
+        zero_bias = np.zeros(nr, np.float32)
+        kbuf = np.empty((BLOCK, d), np.float32)
+        vbuf = np.empty((BLOCK, d), np.float32)
+        cbuf = np.empty((BLOCK, ntrip), np.int32)
+        p = np.zeros((nr, BLOCK), np.float32)
+        tok = np.empty(BLOCK, np.float32)
+        ebits = np.empty(nr * BLOCK, np.int32)
+        for t0 in range(0, nt, BLOCK):
+            n = min(BLOCK, nt - t0)
+            decode_rows(kcodes[b, h], t0, n, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, cbuf, kbuf)
+            for i in range(n):
+                tok[i] = scale * kgamma[b, h, t0 + i]
+            _logits(q[b, h], kbuf, n, zero_bias, tok, p)
+            _online_softmax(p, n, m, l, acc, ebits)
+            if values_fp16:
+                for i in range(n):
+                    halves_to_floats(vhalf[b, h, t0 + i], vbuf[i])
+            else:
+                decode_rows(vcodes[b, h], t0, n, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, cbuf, vbuf)
+                for i in range(n):
+                    g = vgamma[b, h, t0 + i]
+                    for c in range(d):
+                        vbuf[i, c] *= g
+            _accumulate(p, vbuf, n, acc)
         for r in range(nr):
             inv = np.float32(1) / l[r]
             for c in range(d):

@@ -55,20 +55,31 @@ def half_bits(a: np.ndarray) -> np.ndarray:
 
 @njit(inline="always", cache=True)
 def pack_row(codes, bits, out) -> None:
-    """Pack unsigned ``codes`` (any int dtype, < 2**bits) into the uint8 row ``out`` (layout rule)."""
-    acc = np.uint32(0)
-    nacc = 0
-    j = 0
-    for i in range(codes.shape[0]):
-        acc |= np.uint32(codes[i]) << np.uint32(nacc)
-        nacc += bits
-        while nacc >= 8:
+    """Pack unsigned ``codes`` (uint8, < 2**bits) into the uint8 row ``out`` (layout rule)."""
+    count = codes.shape[0]
+    if bits == 2 and count % 4 == 0:
+        for j in range(count // 4):
+            out[j] = codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6)
+    elif bits == 4 and count % 2 == 0:
+        for j in range(count // 2):
+            out[j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+    elif bits == 8:
+        for j in range(count):
+            out[j] = codes[j]
+    else:
+        acc = np.uint32(0)
+        nacc = 0
+        j = 0
+        for i in range(count):
+            acc |= np.uint32(codes[i]) << np.uint32(nacc)
+            nacc += bits
+            while nacc >= 8:
+                out[j] = np.uint8(acc & np.uint32(0xFF))
+                acc >>= np.uint32(8)
+                nacc -= 8
+                j += 1
+        if nacc > 0:
             out[j] = np.uint8(acc & np.uint32(0xFF))
-            acc >>= np.uint32(8)
-            nacc -= 8
-            j += 1
-    if nacc > 0:
-        out[j] = np.uint8(acc & np.uint32(0xFF))
 
 
 @njit(inline="always", cache=True)
@@ -112,21 +123,35 @@ def unpack_rows(codes, t0, n, bits, count, out) -> None:
                 nacc -= bits
 
 
+#: rows transformed together by :func:`fwht_rows` (one vector register of float32 on AVX-512)
+FWHT_ROWS = 16
+
+
 @njit(inline="always", cache=True)
-def fwht_row(y, inv_sqrt_d) -> None:
-    """In place: ``y <- y H`` (orthonormal Sylvester), the reference's butterfly order, float32."""
-    d = y.shape[0]
+def fwht_rows(x, t0, n, inv_sqrt_d, y, tb) -> None:
+    """``y[t0:t0+n] = x[t0:t0+n] H`` (orthonormal Sylvester) for rows of 2-D float32 ``x`` [t, d].
+
+    The rows are transposed into ``tb`` [d, FWHT_ROWS] so every butterfly is a contiguous vector
+    operation across rows; each element sees the reference's float32 operations in its order
+    (``a + b``, ``a - b`` per stage, then ``* inv_sqrt_d``), so the result is bitwise the same.
+    """
+    d = x.shape[1]
+    for c in range(d):
+        for i in range(n):
+            tb[c, i] = x[t0 + i, c]
     h = 1
     while h < d:
-        for i in range(0, d, 2 * h):
-            for j in range(i, i + h):
-                a = y[j]
-                b = y[j + h]
-                y[j] = a + b
-                y[j + h] = a - b
+        for base in range(0, d, 2 * h):
+            for j in range(base, base + h):
+                for i in range(FWHT_ROWS):
+                    u = tb[j, i]
+                    v = tb[j + h, i]
+                    tb[j, i] = u + v
+                    tb[j + h, i] = u - v
         h *= 2
-    for j in range(d):
-        y[j] *= inv_sqrt_d
+    for i in range(n):
+        for c in range(d):
+            y[t0 + i, c] = tb[c, i] * inv_sqrt_d
 
 
 def inv_sqrt(d: int) -> np.float32:

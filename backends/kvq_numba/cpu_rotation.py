@@ -5,18 +5,19 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import fwht_row
+from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows
 
 
 @njit(parallel=True, cache=True)
 def rotate(x, inv_sqrt_d):
-    """A copy of float32 ``x`` [b, h, t, d] with every row multiplied by H (its own inverse)."""
+    """``x H`` for float32 ``x`` [b, h, t, d]: every row multiplied by H (its own inverse)."""
     nb, nh, nt, d = x.shape
-    y = x.copy()
+    y = np.empty_like(x)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
-        for t in range(nt):
-            fwht_row(y[b, h, t], inv_sqrt_d)
+        tb = np.zeros((d, FWHT_ROWS), np.float32)
+        for t0 in range(0, nt, FWHT_ROWS):
+            fwht_rows(x[b, h], t0, min(FWHT_ROWS, nt - t0), inv_sqrt_d, y[b, h], tb)
     return y
 
 
@@ -25,18 +26,21 @@ def unit_keys(kr):
     """OTS: (kr / n_t, n_t) with n_t the float32 L2 norm of token t over every head and channel
     (1 where not > 0), for rotated keys kr float32 [b, h, t, d]; norms are float32 [b, t]."""
     nb, nh, nt, d = kr.shape
-    norm = np.empty((nb, nt), np.float32)
+    norm = np.zeros((nb, nt), np.float32)
     u = np.empty_like(kr)
-    for bt in prange(nb * nt):
-        b, t = bt // nt, bt % nt
-        ss = np.float32(0)
-        for h in range(nh):
-            for c in range(d):
-                ss += kr[b, h, t, c] * kr[b, h, t, c]
-        n = np.sqrt(ss)
-        n = n if n > 0 else np.float32(1)
-        norm[b, t] = n
-        for h in range(nh):
+    for b in range(nb):
+        for t in prange(nt):
+            ss = np.float32(0)
+            for h in range(nh):
+                row = kr[b, h, t]
+                for c in range(d):
+                    ss += row[c] * row[c]
+            n = np.sqrt(ss)
+            norm[b, t] = n if n > 0 else np.float32(1)
+    for bh in prange(nb * nh):
+        b, h = bh // nh, bh % nh
+        for t in range(nt):
+            n = norm[b, t]
             for c in range(d):
                 u[b, h, t, c] = kr[b, h, t, c] / n
     return u, norm
