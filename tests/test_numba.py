@@ -11,9 +11,9 @@ from kvq_core import registry, testing
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
 
 CPU_METHODS = ["oscar", "kivi", "octopus"]
-#: methods whose CPU encode mirrors the reference's float32 arithmetic op for op (no reduction
-#: in another order), so codes must be bit-identical, round-half-to-even ties included.
-EXACT = {"kivi"}
+#: methods whose CPU encode mirrors the reference's float32 arithmetic op for op (reductions in
+#: NumPy's pairwise order), so codes must be bit-identical, round-half-to-even ties included.
+EXACT = {"kivi", "oscar", "octopus"}
 
 
 @pytest.mark.parametrize("method", CPU_METHODS)

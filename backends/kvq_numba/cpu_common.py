@@ -48,6 +48,71 @@ def halves_to_floats(src, dst) -> None:
             dst[c] = -v if h & 0x8000 else v
 
 
+@njit(inline="always", cache=True)
+def _sum_squares_block(a, lo, n) -> np.float32:
+    """NumPy's pairwise-sum leaf (n <= 128) over ``a[lo:lo+n] ** 2``: 8 running sums, then the rest."""
+    if n < 8:
+        res = np.float32(0)
+        for i in range(n):
+            res += a[lo + i] * a[lo + i]
+        return res
+    r0, r1, r2, r3 = a[lo] * a[lo], a[lo + 1] * a[lo + 1], a[lo + 2] * a[lo + 2], a[lo + 3] * a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4] * a[lo + 4], a[lo + 5] * a[lo + 5], a[lo + 6] * a[lo + 6], a[lo + 7] * a[lo + 7]
+    i = 8
+    while i < n - (n % 8):
+        j = lo + i
+        r0 += a[j] * a[j]
+        r1 += a[j + 1] * a[j + 1]
+        r2 += a[j + 2] * a[j + 2]
+        r3 += a[j + 3] * a[j + 3]
+        r4 += a[j + 4] * a[j + 4]
+        r5 += a[j + 5] * a[j + 5]
+        r6 += a[j + 6] * a[j + 6]
+        r7 += a[j + 7] * a[j + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i] * a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def sum_squares(a, n) -> np.float32:
+    """``sum(a[:n] ** 2)`` in float32 in NumPy's pairwise order (leaves of up to 128, halves
+    rounded to multiples of 8 above), so norms are bitwise the reference's ``np.linalg.norm`` /
+    ``np.square(x).sum(dtype=float32)`` and codes near boundaries decide alike.
+
+    The halving recursion runs on explicit stacks (numba's cache rejects recursive functions).
+    """
+    if n <= 128:
+        return _sum_squares_block(a, 0, n)
+    todo_lo = np.empty(64, np.int64)
+    todo_n = np.empty(64, np.int64)
+    todo_join = np.empty(64, np.bool_)
+    vals = np.empty(64, np.float32)
+    top, nvals = 0, 0
+    todo_lo[0], todo_n[0], todo_join[0] = 0, n, False
+    top = 1
+    while top > 0:
+        top -= 1
+        lo, m, join = todo_lo[top], todo_n[top], todo_join[top]
+        if join:
+            nvals -= 1
+            vals[nvals - 1] = vals[nvals - 1] + vals[nvals]
+        elif m <= 128:
+            vals[nvals] = _sum_squares_block(a, lo, m)
+            nvals += 1
+        else:
+            m2 = m // 2
+            m2 -= m2 % 8
+            todo_lo[top], todo_n[top], todo_join[top] = lo, m, True
+            todo_lo[top + 1], todo_n[top + 1], todo_join[top + 1] = lo + m2, m - m2, False
+            todo_lo[top + 2], todo_n[top + 2], todo_join[top + 2] = lo, m2, False
+            top += 3
+    return vals[0]
+
+
 def half_bits(a: np.ndarray) -> np.ndarray:
     """A float16 array as its contiguous uint16 bit patterns (no copy when already contiguous)."""
     return np.ascontiguousarray(a, dtype=np.float16).view(np.uint16)

@@ -3,15 +3,15 @@ signed Hadamard rotation ``v = H diag(s) x / gamma``, and one code per triplet o
 direction xi/eta and triplet norm rho, nearest centroid; "joint" rounding tries the 3x3 index
 neighbourhood of (xi, eta) and keeps the one with the largest projection).
 
-Encode repeats the reference's float32 steps per element without fastmath, so codes equal the
-reference's except where its norms (summed in another order) put a value on a boundary.
+Encode repeats the reference's float32 steps without fastmath (norms in NumPy's pairwise order),
+so codes are bitwise the reference's.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows, pack_row, unpack_rows
+from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows, pack_row, sum_squares, unpack_rows
 
 #: (xi, eta) index offsets joint rounding tries, centre first (kvq_numpy.octopus._NEIGHBOURS)
 NEIGHBOURS = np.array([(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)], np.int64)
@@ -81,10 +81,7 @@ def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_b
         for t0 in range(0, nt, FWHT_ROWS):
             n = min(FWHT_ROWS, nt - t0)
             for i in range(n):
-                ss = np.float32(0)
-                for c in range(d):
-                    ss += x[b, h, t0 + i, c] * x[b, h, t0 + i, c]
-                g = np.sqrt(ss)
+                g = np.sqrt(sum_squares(x[b, h, t0 + i], d))
                 gamma[b, h, t0 + i] = g
                 g = g if g > 0 else np.float32(1)
                 for c in range(d):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows
+from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows, sum_squares
 
 
 @njit(parallel=True, cache=True)
@@ -24,7 +24,8 @@ def rotate(x, inv_sqrt_d):
 @njit(parallel=True, cache=True)
 def unit_keys(kr):
     """OTS: (kr / n_t, n_t) with n_t the float32 L2 norm of token t over every head and channel
-    (1 where not > 0), for rotated keys kr float32 [b, h, t, d]; norms are float32 [b, t]."""
+    (1 where not > 0), for rotated keys kr float32 [b, h, t, d]; norms are float32 [b, t], summed
+    per head in NumPy's pairwise order, heads in sequence (bitwise the reference's)."""
     nb, nh, nt, d = kr.shape
     norm = np.zeros((nb, nt), np.float32)
     u = np.empty_like(kr)
@@ -32,9 +33,7 @@ def unit_keys(kr):
         for t in prange(nt):
             ss = np.float32(0)
             for h in range(nh):
-                row = kr[b, h, t]
-                for c in range(d):
-                    ss += row[c] * row[c]
+                ss += sum_squares(kr[b, h, t], d)
             n = np.sqrt(ss)
             norm[b, t] = n if n > 0 else np.float32(1)
     for bh in prange(nb * nh):
