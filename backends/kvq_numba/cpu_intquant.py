@@ -13,32 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu_common import half_to_float, pack_row, unpack_rows
-
-#: zero-point modes: integer (OScaR, QuaRot) and the group minimum (KIVI); kvq_numpy.intquant.
-ZERO_INTEGER, ZERO_MIN = 0, 1
-
-
-@njit(inline="always", cache=True)
-def _group_params(mn, mx, levels, zero_mode):
-    """(scale, zq or 0, offset, varying) of one group from its float32 min and max."""
-    if zero_mode == 0 and mn == 0 and mx == 0:
-        mn = np.float32(-1)
-        mx = np.float32(1)
-    if mx > mn:
-        s = (mx - mn) / levels
-        if zero_mode == 0:
-            zq = np.rint(-mn / s)
-            return s, zq, -zq * s, True
-        return s, np.float32(0), mn, True
-    return np.float32(0), np.float32(0), mn, False
-
-
-@njit(inline="always", cache=True)
-def _code(x, s, zq, mn, levels, zero_mode):
-    """One code, clipped to [0, levels]: ``rint(x / s + zq)`` or ``rint((x - mn) / s)``."""
-    q = np.rint(x / s + zq) if zero_mode == 0 else np.rint((x - mn) / s)
-    return min(max(q, np.float32(0)), levels)
-
+from kvq_numba.rules import group_params, int_code
 
 @njit(parallel=True, cache=True)
 def encode_token_groups(x, bits, group, zero_mode):
@@ -72,11 +47,11 @@ def encode_token_groups(x, bits, group, zero_mode):
                     mn[c] = min(mn[c], v)
                     mx[c] = max(mx[c], v)
             for c in range(d):
-                s[c], zq[c], offset[b, h, g, c], var[c] = _group_params(mn[c], mx[c], levels, zero_mode)
+                s[c], zq[c], offset[b, h, g, c], var[c] = group_params(mn[c], mx[c], levels, zero_mode)
                 scale[b, h, g, c] = s[c]
             for t in range(t0, t1):
                 for c in range(d):
-                    row[c] = np.uint8(_code(x[b, h, t, c], s[c], zq[c], mn[c], levels, zero_mode)) if var[c] else 0
+                    row[c] = np.uint8(int_code(x[b, h, t, c], s[c], zq[c], mn[c], levels, zero_mode)) if var[c] else 0
                 pack_row(row, bits, codes[b, h, t])
     return codes, scale, offset
 
@@ -106,11 +81,11 @@ def encode_channel_groups(x, bits, group, zero_mode):
                 for c in range(c0 + 1, c0 + group):
                     mn = min(mn, xr[c])
                     mx = max(mx, xr[c])
-                s, zq, off, var = _group_params(mn, mx, levels, zero_mode)
+                s, zq, off, var = group_params(mn, mx, levels, zero_mode)
                 scale[b, h, t, g] = s
                 offset[b, h, t, g] = off
                 for c in range(c0, c0 + group):
-                    row[c] = np.uint8(_code(xr[c], s, zq, mn, levels, zero_mode)) if var else 0
+                    row[c] = np.uint8(int_code(xr[c], s, zq, mn, levels, zero_mode)) if var else 0
             pack_row(row, bits, codes[b, h, t])
     return codes, scale, offset
 

@@ -12,57 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows, pack_row, sum_squares, unpack_rows
-
-#: (xi, eta) index offsets joint rounding tries, centre first (kvq_numpy.octopus._NEIGHBOURS)
-NEIGHBOURS = np.array([(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)], np.int64)
-
-
-@njit(inline="always", cache=True)
-def _bucket(thresholds, x) -> int:
-    """Nearest-centroid index: how many thresholds are <= x (searchsorted side="right")."""
-    k = 0
-    for j in range(thresholds.shape[0]):
-        if thresholds[j] <= x:
-            k += 1
-    return k
-
-
-@njit(inline="always", cache=True)
-def _sgn(x):
-    return np.float32(1) if x >= 0 else np.float32(-1)
-
-
-@njit(inline="always", cache=True)
-def _triplet_code(x, y, z, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, joint) -> int:
-    """The code ``(i_xi << (eta_bits + rho_bits)) | (i_eta << rho_bits) | i_rho`` of one triplet."""
-    l1 = abs(x) + abs(y) + abs(z)
-    if l1 == 0:
-        px, py, pz = np.float32(0), np.float32(0), np.float32(1)
-    else:
-        px, py, pz = x / l1, y / l1, z / l1
-    if pz < 0:
-        xi = _sgn(px) * (np.float32(1) - abs(py))
-        eta = _sgn(py) * (np.float32(1) - abs(px))
-    else:
-        xi, eta = px, py
-    i_xi = _bucket(xi_th, xi)
-    i_eta = _bucket(eta_th, eta)
-    if joint:
-        best_s = np.float32(-np.inf)
-        bx, be = i_xi, i_eta
-        for k in range(NEIGHBOURS.shape[0]):
-            cx = min(max(i_xi + NEIGHBOURS[k, 0], 0), n_xi - 1)
-            ce = min(max(i_eta + NEIGHBOURS[k, 1], 0), n_eta - 1)
-            dv = dirs[cx * n_eta + ce]
-            s = x * dv[0] + y * dv[1] + z * dv[2]
-            if s > best_s:
-                best_s, bx, be = s, cx, ce
-        i_xi, i_eta = bx, be
-        i_rho = _bucket(rho_th, max(best_s, np.float32(0)))
-    else:
-        i_rho = _bucket(rho_th, np.sqrt(x * x + y * y + z * z))
-    return (i_xi << (eta_bits + rho_bits)) | (i_eta << rho_bits) | i_rho
-
+from kvq_numba.rules import triplet_code
 
 @njit(parallel=True, cache=True)
 def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
@@ -89,7 +39,7 @@ def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_b
             fwht_rows(su, 0, n, inv_sqrt_d, v[:, :d], tb)
             for i in range(n):
                 for j in range(ntrip):
-                    row[j] = _triplet_code(v[i, 3 * j], v[i, 3 * j + 1], v[i, 3 * j + 2], xi_th, eta_th, rho_th, dirs,
+                    row[j] = triplet_code(v[i, 3 * j], v[i, 3 * j + 1], v[i, 3 * j + 2], xi_th, eta_th, rho_th, dirs,
                                            n_xi, n_eta, eta_bits, rho_bits, joint)
                 pack_row(row, bits, codes[b, h, t0 + i])
     return codes, gamma

@@ -2,7 +2,7 @@
 groups, values per token over channel groups, optionally rotated (H) and token-normalised (OTS).
 
 :class:`IntCodesNumba` routes NumPy/CPU input to the ``@njit`` kernels and CUDA input to
-:mod:`kvq_numba.cuda_intcodes`; :class:`OscarNumba` and :class:`KiviNumba` only say which
+:mod:`kvq_numba.gpu_intcodes`; :class:`OscarNumba` and :class:`KiviNumba` only say which
 ingredients their method uses.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.kivi import KiviSpec
 from kvq_core.methods.oscar import OscarSpec
-from kvq_numba import cpu_attend, cpu_intquant, cpu_rotation
+from kvq_numba import cpu_attend, cpu_intquant, cpu_rotation, rules
 from kvq_numba.arrays import as_float32, is_cuda_input
 from kvq_numba.cpu_common import half_bits, inv_sqrt
 
@@ -39,7 +39,7 @@ class IntCodesNumba:
     def _gpu(self) -> Any:
         """The CUDA kernels of the same method (imported, and numba.cuda with them, on first CUDA input)."""
         if self._cuda is None:
-            from kvq_numba.cuda_intcodes import IntCodesCuda
+            from kvq_numba.gpu_intcodes import IntCodesCuda
 
             self._cuda = IntCodesCuda(self)
         return self._cuda
@@ -112,7 +112,7 @@ class OscarNumba(IntCodesNumba):
         super().__init__(spec)
         self.bits, self.key_group, self.value_group = spec.bits, spec.key_group, spec.value_group
         self.rotation, self.token_scaling = spec.rotation, spec.token_scaling
-        self.zero_mode = cpu_intquant.ZERO_INTEGER
+        self.zero_mode = rules.ZERO_INTEGER
 
 
 class KiviNumba(IntCodesNumba):
@@ -122,4 +122,4 @@ class KiviNumba(IntCodesNumba):
         super().__init__(spec)
         self.bits, self.key_group, self.value_group = spec.bits, spec.group, spec.group
         self.rotation, self.token_scaling = False, False
-        self.zero_mode = cpu_intquant.ZERO_MIN
+        self.zero_mode = rules.ZERO_MIN

@@ -1,5 +1,5 @@
 """The Numba kernels of OCTOPUS: NumPy/CPU input runs :mod:`kvq_numba.cpu_octopus` and the fused
-:func:`kvq_numba.cpu_attend.attend_octopus`; CUDA input runs :mod:`kvq_numba.cuda_octopus`."""
+:func:`kvq_numba.cpu_attend.attend_octopus`; CUDA input runs :mod:`kvq_numba.gpu_octopus`."""
 from __future__ import annotations
 
 from typing import Any
@@ -25,7 +25,7 @@ class OctopusNumba:
 
     def _gpu(self) -> Any:
         if self._cuda is None:
-            from kvq_numba.cuda_octopus import OctopusCuda
+            from kvq_numba.gpu_octopus import OctopusCuda
 
             self._cuda = OctopusCuda(self)
         return self._cuda
