@@ -50,3 +50,22 @@ def test_auto_picks_numba_on_cpu_only_where_supported() -> None:
     assert registry.select_backend("oscar", "cpu") == "numba"
     assert registry.select_backend("octopus", None) == "numba"
     assert registry.select_backend("quarot", "cpu") != "numba"
+
+
+@pytest.mark.slow
+def test_cuda_kernels_under_the_simulator() -> None:
+    """The CUDA kernels pass the conformance suite in a separate process with NUMBA_ENABLE_CUDASIM=1
+    (each simulated GPU thread is a Python thread: ~13 min on a loaded 2-core machine)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "backends"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(root / "tests" / "numba_cuda_sim_conformance.py")],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "2 passed" in proc.stdout, proc.stdout[-2000:]
