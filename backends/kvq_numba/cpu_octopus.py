@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows, pack_row, sum_squares, unpack_rows
+from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows, pack_row, sum_squares
 from kvq_numba.rules import triplet_code
 
 @njit(parallel=True, cache=True)
@@ -46,22 +46,49 @@ def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_b
 
 
 @njit(inline="always", cache=True)
+def _code_at(row, j, bits, mask, nbytes) -> int:
+    """Code ``j`` (``bits`` <= 16) of a packed row: up to three bytes from bit ``j * bits``."""
+    p = j * bits
+    k = p >> 3
+    v = np.int32(row[k])
+    if k + 1 < nbytes:
+        v |= np.int32(row[k + 1]) << 8
+    if k + 2 < nbytes:
+        v |= np.int32(row[k + 2]) << 16
+    return (v >> (p & 7)) & mask
+
+
+@njit(inline="always", cache=True)
 def decode_rows(codes2d, t0, n, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, cbuf, out) -> None:
     """Rows ``out[0 .. n]`` [.., d] = the rotated unit vectors (rho * direction per triplet, gamma
-    not applied) of code rows ``t0 .. t0+n``; ``cbuf`` int32 [>= n, n_triplets] is scratch."""
+    not applied) of code rows ``t0 .. t0+n``; ``cbuf`` int32 [>= n, n_triplets] is scratch.
+
+    Each code is read on its own (no serial bitstream), so the loops pipeline."""
     d = out.shape[1]
     ntrip = cbuf.shape[1]
-    unpack_rows(codes2d, t0, n, bits, ntrip, cbuf)
+    nbytes = codes2d.shape[1]
+    full = d // 3
+    mask = (1 << bits) - 1
     eta_mask = (1 << eta_bits) - 1
     rho_mask = (1 << rho_bits) - 1
+    shift = eta_bits + rho_bits
     for i in range(n):
+        row = codes2d[t0 + i]
         for j in range(ntrip):
+            cbuf[i, j] = _code_at(row, j, bits, mask, nbytes)
+        for j in range(full):
             c = cbuf[i, j]
             r = rho_cb[c & rho_mask]
-            pair = (c >> (eta_bits + rho_bits)) * n_eta + ((c >> rho_bits) & eta_mask)
-            for k in range(3):
-                if 3 * j + k < d:
-                    out[i, 3 * j + k] = r * dirs[pair, k]
+            pair = (c >> shift) * n_eta + ((c >> rho_bits) & eta_mask)
+            out[i, 3 * j] = r * dirs[pair, 0]
+            out[i, 3 * j + 1] = r * dirs[pair, 1]
+            out[i, 3 * j + 2] = r * dirs[pair, 2]
+        for j in range(full, ntrip):  # the zero-padded last triplet
+            c = cbuf[i, j]
+            r = rho_cb[c & rho_mask]
+            pair = (c >> shift) * n_eta + ((c >> rho_bits) & eta_mask)
+            for k in range(d - 3 * j):
+                out[i, 3 * j + k] = r * dirs[pair, k]
 
 
 @njit(parallel=True, cache=True)
