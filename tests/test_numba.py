@@ -42,6 +42,10 @@ def test_supports_names_what_is_missing() -> None:
     assert not ok and "kivi" in why
     ok, why = supports(registry.make_spec("oscar", bits=3), "cuda:0")
     assert not ok and "bits" in why
+    ok, why = supports(registry.make_spec("octopus", xi_bits=8, eta_bits=8, rho_bits=4), "cpu")
+    assert not ok and "20" in why
+    ok, why = supports(registry.make_spec("oscar", head_dim=512), "cuda")
+    assert not ok and "head_dim" in why
     ok, why = supports(registry.make_spec("oscar"), "mps")
     assert not ok and "mps" in why
 

@@ -24,8 +24,11 @@ KERNELS: dict[str, str] = {
     "kivi": "kvq_numba.intcodes:KiviNumba",
     "octopus": "kvq_numba.octopus:OctopusNumba",
 }
-#: methods with CUDA kernels
+#: methods with CUDA kernels, and the largest head_dim their shared rows hold (gpu_common.MAX_D)
 CUDA_METHODS = ("oscar", "octopus")
+CUDA_MAX_HEAD_DIM = 256
+#: widest OCTOPUS triplet code the kernels read (three bytes from any bit offset)
+MAX_TRIPLET_BITS = 17
 
 
 def _load(path: str) -> Any:
@@ -64,6 +67,9 @@ def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
     kind = _device_kind(device)
     if spec.method not in KERNELS:
         return False, f"numba has no kernels for method {spec.method!r}; it implements {', '.join(sorted(KERNELS))}"
+    if spec.method == "octopus" and spec.triplet_bits > MAX_TRIPLET_BITS:
+        return False, (f"numba reads a triplet code from 3 bytes: triplet bits (xi+eta+rho) up to {MAX_TRIPLET_BITS}, "
+                       f"not {spec.triplet_bits}")
     if kind == "cpu":
         return True, None
     if kind != "cuda":
@@ -72,6 +78,9 @@ def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
         return False, f"numba has CUDA kernels for {', '.join(CUDA_METHODS)} only, not {spec.method!r}"
     if spec.method == "oscar" and spec.bits not in (2, 4, 8):
         return False, f"numba's CUDA OScaR kernels take bits 2, 4 or 8, not {spec.bits}"
+    if spec.head_dim > CUDA_MAX_HEAD_DIM or spec.head_dim % 4:
+        return False, (f"numba's CUDA kernels take head_dim a multiple of 4 up to {CUDA_MAX_HEAD_DIM} "
+                       f"(shared-memory rows), not {spec.head_dim}")
     return _cuda_status()
 
 
