@@ -3,14 +3,17 @@
 For contexts of 4k..64k tokens (``--quick``: 4k and 32k, fewer methods), head_dim 64 and 128,
 8 KV heads, batch 1 and one query token per query head with GQA 4 (32 query heads), it times
 ``encode`` (keys + values), ``decode`` (keys + values) and ``attend`` for the NumPy reference,
-torch eager (``kvq::`` ops) and torch compiled (inductor), and in the same run:
+torch eager (``kvq::`` ops), torch compiled (inductor) and Numba (``@njit``), and in the same run:
 
 - torch SDPA (``torch.nn.functional.scaled_dot_product_attention``) over float32 and bfloat16
   K/V of the same context, both as the usual GQA call (``enable_gqa=True``, 32 query heads) and
   folded (the 4 query heads of a KV head as 4 query rows, no K/V expansion; the faster form);
 - memcpy bandwidth (a torch ``clone`` of a 256 MiB buffer, read + write bytes per second).
 
-Throughput is tokens/s and GB/s of the fp16-equivalent K/V (2 bytes per element of K and V).
+Throughput is tokens/s and GB/s of the fp16-equivalent K/V (2 bytes per element of K and V);
+``attend`` also reports the GB/s of packed bytes it reads and what bounds it: "memory" when that
+rate reaches half the memcpy read rate, else "compute" (unpacking, dot products, exp). SDPA fp32
+folded is the fp32 reference (on CPU, ``enable_gqa`` re-reads K/V once per query head).
 Ratios are the result, not absolute times: the machine may be shared. Results go to
 ``speed.md``, ``speed.json`` and ``speed.png`` (attend time vs context) under ``--out``.
 """
@@ -28,19 +31,23 @@ from typing import Any, Callable
 
 import numpy as np
 
-BACKENDS = ("numpy", "torch", "torch-compiled")
+BACKENDS = ("numpy", "torch", "torch-compiled", "numba")
 METHODS = {
     "oscar": {"bits": 2},
     "kivi": {"bits": 2},
     "quarot": {"bits": 4},
     "fp16": {},
     "turboquant": {"bits": 2},
-    "octopus": {"bits": 2},
+    "octopus": {"bits": 3},
 }
 QUICK_METHODS = ("oscar", "kivi")
 CONTEXTS = (4096, 8192, 16384, 32768, 65536)
 QUICK_CONTEXTS = (4096, 32768)
 TARGET = {"method": "oscar", "tokens": 32768, "head_dim": 128, "speedup_vs_sdpa_fp32": 1.5}
+#: backends whose OScaR attend is held to TARGET (one "Target" line each)
+TARGET_BACKENDS = ("torch-compiled", "numba")
+#: host-array backends (NumPy inputs)
+HOST_BACKENDS = ("numpy", "numba")
 
 
 def _timeit(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
@@ -93,7 +100,7 @@ def bench_one(method: str, params: dict[str, Any], backend: str, tokens: int, he
     k = torch.randn(1, kv_heads, tokens, head_dim, generator=g)
     v = torch.randn(1, kv_heads, tokens, head_dim, generator=g)
     q = torch.randn(1, kv_heads * gqa, 1, head_dim, generator=g)
-    if backend == "numpy":
+    if backend in HOST_BACKENDS:
         k, v, q = k.numpy(), v.numpy(), q.numpy()
     reps = 1 if backend == "numpy" else repeats
     t0 = time.perf_counter()
@@ -115,7 +122,35 @@ def bench_one(method: str, params: dict[str, Any], backend: str, tokens: int, he
     for op in ("encode", "decode", "attend"):
         rec[f"{op}_tokens_per_s"] = tokens / rec[f"{op}_s"]
         rec[f"{op}_gbps_fp16"] = fp16_bytes / rec[f"{op}_s"] / 1e9
+    rec["attend_gbps_packed"] = rec["packed_bytes"] / rec["attend_s"] / 1e9
     return rec
+
+
+def bound(rec: dict[str, Any], memcpy_gbps: float) -> str:
+    """"memory" when attend reads packed bytes at >= half the memcpy read rate, else "compute"."""
+    return "memory" if rec["attend_gbps_packed"] >= 0.5 * (memcpy_gbps / 2) else "compute"
+
+
+def target_of(res: dict[str, Any], backend: str) -> dict[str, Any] | None:
+    """The TARGET figures of ``backend`` (None when that row was not measured)."""
+    hit = [r for r in res["rows"] if r["method"] == TARGET["method"] and r["backend"] == backend
+           and r["tokens"] == TARGET["tokens"] and r["head_dim"] == TARGET["head_dim"]]
+    if not hit:
+        return None
+    r = hit[0]
+    sd = res["sdpa"][f"{r['head_dim']}/{r['tokens']}"]
+    torch_row = [x for x in res["rows"] if x["backend"] == "torch" and x["method"] == r["method"]
+                 and x["tokens"] == r["tokens"] and x["head_dim"] == r["head_dim"]]
+    return {
+        "backend": backend, "tokens": r["tokens"], "head_dim": r["head_dim"], "attend_s": r["attend_s"],
+        "sdpa_fp32_gqa": sd["sdpa_fp32_gqa"], "sdpa_fp32_folded": sd["sdpa_fp32_folded"],
+        "speedup_vs_sdpa_fp32_gqa": sd["sdpa_fp32_gqa"] / r["attend_s"],
+        "speedup_vs_sdpa_fp32_folded": sd["sdpa_fp32_folded"] / r["attend_s"],
+        "packed_mb": r["packed_bytes"] / 1e6, "attend_read_gbps": r["attend_gbps_packed"],
+        "fraction_of_memcpy": r["attend_gbps_packed"] / (res["memcpy_gbps"] / 2),
+        "bound": bound(r, res["memcpy_gbps"]),
+        "encode_speedup_vs_torch": torch_row[0]["encode_s"] / r["encode_s"] if torch_row else None,
+    }
 
 
 def _fmt_ms(s: float | None) -> str:
@@ -125,25 +160,30 @@ def _fmt_ms(s: float | None) -> str:
 def render_md(res: dict[str, Any]) -> str:
     lines = ["# kvq bench speed", ""]
     m = res["machine"]
-    lines += [f"Machine: {m['cpu']}, {m['threads']} torch threads, torch {m['torch']}, load average at start "
+    lines += [f"Machine: {m['cpu']} (torch CPU capability {m.get('cpu_capability', '?')}), {m['threads']} torch threads, "
+              f"torch {m['torch']}, load average at start "
               f"{m['load_start']}, at end {m['load_end']}. memcpy (clone of 256 MiB): "
               f"**{res['memcpy_gbps']:.2f} GB/s** read+write. Batch 1, {res['kv_heads']} KV heads, GQA {res['gqa']} "
               f"({res['kv_heads'] * res['gqa']} query heads), one query token per head. Times are medians; "
               "ratios matter, not absolute times (shared machine).", ""]
-    t = res.get("target")
-    if t:
-        lines += ["## Target", "",
-                  f"Compiled attend over OScaR INT2 at {t['tokens']} tokens, head_dim {t['head_dim']}: "
+    targets = [t for t in res.get("targets", []) if t]
+    if targets:
+        lines += ["## Target", ""]
+    for t in targets:
+        enc = t.get("encode_speedup_vs_torch")
+        lines += [f"**{t['backend']}** attend over OScaR INT2 at {t['tokens']} tokens, head_dim {t['head_dim']}: "
                   f"**{_fmt_ms(t['attend_s'])} ms**; SDPA fp32 GQA call {_fmt_ms(t['sdpa_fp32_gqa'])} ms "
                   f"(speedup **{t['speedup_vs_sdpa_fp32_gqa']:.2f}x**), SDPA fp32 folded {_fmt_ms(t['sdpa_fp32_folded'])} ms "
                   f"(speedup **{t['speedup_vs_sdpa_fp32_folded']:.2f}x**); target >= {TARGET['speedup_vs_sdpa_fp32']}x. "
                   f"It reads {t['packed_mb']:.1f} MB of packed K/V: {t['attend_read_gbps']:.2f} GB/s, "
-                  f"**{100 * t['fraction_of_memcpy']:.1f}%** of the memcpy copy rate (half the read+write figure).", ""]
+                  f"**{100 * t['fraction_of_memcpy']:.1f}%** of the memcpy copy rate (half the read+write figure): "
+                  f"{t['bound']}-bound."
+                  + (f" Encode (K+V) is {enc:.2f}x the torch backend's." if enc else ""), ""]
     for d in res["head_dims"]:
         lines += [f"## head_dim {d}", ""]
         lines += ["| method | backend | tokens | bits/elem | encode ms | decode ms | attend ms | attend tok/s | "
-                  "attend GB/s (fp16-eq) | attend vs SDPA fp32 gqa | vs folded |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "attend GB/s (fp16-eq) | attend GB/s (packed) | bound | attend vs SDPA fp32 gqa | vs folded |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in res["rows"]:
             if r["head_dim"] != d:
                 continue
@@ -151,7 +191,8 @@ def render_md(res: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['method']} | {r['backend']} | {r['tokens']} | {r['bits_per_element']:.3f} | {_fmt_ms(r['encode_s'])} | "
                 f"{_fmt_ms(r['decode_s'])} | {_fmt_ms(r['attend_s'])} | {r['attend_tokens_per_s']:.3g} | "
-                f"{r['attend_gbps_fp16']:.2f} | {sd['sdpa_fp32_gqa'] / r['attend_s']:.2f}x | "
+                f"{r['attend_gbps_fp16']:.2f} | {r['attend_gbps_packed']:.2f} | {bound(r, res['memcpy_gbps'])} | "
+                f"{sd['sdpa_fp32_gqa'] / r['attend_s']:.2f}x | "
                 f"{sd['sdpa_fp32_folded'] / r['attend_s']:.2f}x |")
         lines += ["", "| SDPA (same run) | tokens | fp32 gqa ms | fp32 folded ms | bf16 gqa ms | bf16 folded ms |",
                   "|---|---:|---:|---:|---:|---:|"]
@@ -217,17 +258,25 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+        try:
+            import numba
+
+            numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+        except ImportError:
+            pass
     contexts = args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS)
     methods = args.methods or (QUICK_METHODS if args.quick else tuple(METHODS))
     known = {m.name for m in kvq_core.list_methods()}
     backends = [b for b in args.backends if any(r.name == b and r.available for r in kvq_core.list_backends())]
     res: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "torch": torch.__version__, "load_start": round(os.getloadavg()[0], 2)},
         "kv_heads": args.kv_heads, "gqa": args.gqa, "head_dims": list(args.head_dims), "contexts": list(contexts),
         "memcpy_gbps": memcpy_bandwidth() / 1e9, "rows": [], "sdpa": {},
     }
-    print(f"memcpy {res['memcpy_gbps']:.2f} GB/s (read+write)", flush=True)
+    print(f"memcpy {res['memcpy_gbps']:.2f} GB/s (read+write); CPU capability {res['machine']['cpu_capability']}",
+          flush=True)
     for d in args.head_dims:
         for tokens in contexts:
             res["sdpa"][f"{d}/{tokens}"] = sdpa_times(tokens, d, args.kv_heads, args.gqa, args.repeats)
@@ -250,20 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{rec['decode_s'] * 1e3:9.1f} ms  attend {rec['attend_s'] * 1e3:9.1f} ms  "
                           f"(first call {rec['first_call_s']:.1f} s)", flush=True)
     res["machine"]["load_end"] = round(os.getloadavg()[0], 2)
-    hit = [r for r in res["rows"] if r["method"] == TARGET["method"] and r["backend"] == "torch-compiled"
-           and r["tokens"] == TARGET["tokens"] and r["head_dim"] == TARGET["head_dim"]]
-    if hit:
-        r = hit[0]
-        sd = res["sdpa"][f"{r['head_dim']}/{r['tokens']}"]
-        read_gbps = r["packed_bytes"] / r["attend_s"] / 1e9
-        res["target"] = {
-            "tokens": r["tokens"], "head_dim": r["head_dim"], "attend_s": r["attend_s"],
-            "sdpa_fp32_gqa": sd["sdpa_fp32_gqa"], "sdpa_fp32_folded": sd["sdpa_fp32_folded"],
-            "speedup_vs_sdpa_fp32_gqa": sd["sdpa_fp32_gqa"] / r["attend_s"],
-            "speedup_vs_sdpa_fp32_folded": sd["sdpa_fp32_folded"] / r["attend_s"],
-            "packed_mb": r["packed_bytes"] / 1e6, "attend_read_gbps": read_gbps,
-            "fraction_of_memcpy": read_gbps / (res["memcpy_gbps"] / 2),
-        }
+    res["targets"] = [t for t in (target_of(res, b) for b in TARGET_BACKENDS) if t]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speed.json").write_text(json.dumps(res, indent=1))
     (args.out / "speed.md").write_text(render_md(res))

@@ -1,0 +1,80 @@
+"""The array adapter of the Numba backend, and how its kernels tell CUDA input from CPU input.
+
+CPU data is NumPy (CPU torch tensors are taken as NumPy views; bfloat16 is widened to float32,
+which NumPy lacks). CUDA data is anything exposing ``__cuda_array_interface__`` (CUDA torch
+tensors, CuPy, numba device arrays) or a numba simulator device array; it stays on the device.
+numba.cuda is never imported here: a CUDA array can only exist once its library is loaded.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def is_cuda_input(x: Any) -> bool:
+    """True for device arrays (real or the numba CUDA simulator's), False for host arrays."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    cuda = sys.modules.get("numba.cuda")
+    return cuda is not None and bool(cuda.devicearray.is_cuda_ndarray(x))
+
+
+def _host(x: Any) -> np.ndarray:
+    """A host NumPy view (torch CPU tensors: no copy, except bfloat16 widened to float32)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def as_float32(x: Any) -> np.ndarray:
+    """Host input as a C-contiguous float32 array (no copy when it already is one)."""
+    return np.ascontiguousarray(_host(x), dtype=np.float32)
+
+
+class NumbaArrays:
+    """Host arrays become NumPy; device arrays stay device arrays (numba's, or the caller's)."""
+
+    def asarray(self, x: Any) -> Any:
+        if is_cuda_input(x):
+            return x
+        return _host(x)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        if is_cuda_input(x):
+            if hasattr(x, "copy_to_host"):
+                return x.copy_to_host()
+            if hasattr(x, "detach"):
+                return _host(x)
+            from numba import cuda
+
+            return cuda.as_cuda_array(x).copy_to_host()
+        return _host(x)
+
+    def all_finite(self, x: Any) -> bool:
+        return bool(np.isfinite(self.to_numpy(x)).all())
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        """``x`` as ``dtype`` (bfloat16, which NumPy lacks, stays float32), on the device it came from."""
+        try:
+            target = np.dtype(dtype)
+        except TypeError:
+            target = np.dtype(np.float32)
+        if is_cuda_input(x):
+            if getattr(x, "dtype", None) == target:
+                return x
+            from numba import cuda
+
+            return cuda.to_device(np.ascontiguousarray(self.to_numpy(x), dtype=target))
+        return np.asarray(x).astype(target, copy=False)
+
+    def concat(self, xs: list[Any], axis: int) -> Any:
+        if xs and is_cuda_input(xs[0]):
+            from numba import cuda
+
+            return cuda.to_device(np.concatenate([self.to_numpy(x) for x in xs], axis=axis))
+        return np.concatenate([_host(x) for x in xs], axis=axis)

@@ -1,0 +1,276 @@
+"""Fused Numba CPU decode-attention over integer codes: keys grouped along tokens (per channel
+scale/offset per token group, an optional per-token logit factor), values grouped along channels.
+
+Per (batch, KV head), for the query rows that share the head (GQA folded into rows):
+
+- each key token group folds its per-channel scale into the queries once (``qs = q * s``) and its
+  offsets into one bias per row (``q . o``), so a key code row costs one dot product per row;
+- code rows are unpacked once per KV head and reused by all its query rows;
+- online softmax over blocks of :data:`BLOCK` tokens with a vectorisable exp; a block's value rows
+  are dequantized once and accumulated as a small ``P @ V``, two rows by two tokens per pass.
+
+Each step is its own small function with plain loops: LLVM vectorises those (one large loop nest
+defeated it). ``fastmath`` lets it reassociate the dot products; the conformance tolerances bound
+the difference to the float64 reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from kvq_numba.cpu_common import halves_to_floats, unpack_rows
+from kvq_numba.cpu_octopus import decode_rows
+
+#: tokens per online-softmax block
+BLOCK = 32
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(fastmath=True, cache=True)
+def _exp_nonpositive(x, out, ebits) -> None:
+    """``out[i] = exp(x[i])`` for ``x <= 0`` (float32, ~1 ulp; below -87 gives ~1e-38, not 0).
+
+    Cody-Waite range reduction, a degree-6 polynomial, and 2**n built in an int32 view of
+    ``ebits`` so that every loop vectorises (libm's expf does not).
+    """
+    n = x.shape[0]
+    ef = ebits.view(np.float32)
+    for i in range(n):
+        v = max(x[i], np.float32(-87.0))
+        k = np.rint(v * _LOG2E)
+        r = v - k * _LN2_HI - k * _LN2_LO
+        poly = np.float32(1.0 / 720)
+        poly = poly * r + np.float32(1.0 / 120)
+        poly = poly * r + np.float32(1.0 / 24)
+        poly = poly * r + np.float32(1.0 / 6)
+        poly = poly * r + np.float32(0.5)
+        poly = poly * r + np.float32(1.0)
+        out[i] = poly * r + np.float32(1.0)
+        ebits[i] = (np.int32(k) + 127) << 23
+    for i in range(n):
+        out[i] *= ef[i]
+
+
+@njit(fastmath=True, cache=True)
+def _fold_key_group(qh, s, o, qs, bias) -> None:
+    """``qs = q * scale`` per channel and ``bias = q . offset`` per row, for one key token group."""
+    nr, d = qh.shape
+    for r in range(nr):
+        acc = np.float32(0)
+        for c in range(d):
+            qs[r, c] = qh[r, c] * s[c]
+            acc += qh[r, c] * o[c]
+        bias[r] = acc
+
+
+@njit(fastmath=True, cache=True)
+def _logits(qs, kbuf, n, bias, tok, p) -> None:
+    """``p[r, i] = (qs[r] . kbuf[i] + bias[r]) * tok[i]`` for the block's n tokens.
+
+    Rows and tokens go in pairs (four dot products per pass over d) to reuse every load twice.
+    """
+    nr, d = qs.shape
+    for r0 in range(0, nr, 2):
+        r1 = min(r0 + 1, nr - 1)  # an odd last row is computed twice, harmlessly
+        qa = qs[r0]
+        qb = qs[r1]
+        for i0 in range(0, n, 2):
+            i1 = min(i0 + 1, n - 1)
+            ka = kbuf[i0]
+            kb = kbuf[i1]
+            aa = np.float32(0)
+            ab = np.float32(0)
+            ba = np.float32(0)
+            bb = np.float32(0)
+            for c in range(d):
+                aa += qa[c] * ka[c]
+                ab += qa[c] * kb[c]
+                ba += qb[c] * ka[c]
+                bb += qb[c] * kb[c]
+            p[r0, i0] = (aa + bias[r0]) * tok[i0]
+            p[r0, i1] = (ab + bias[r0]) * tok[i1]
+            p[r1, i0] = (ba + bias[r1]) * tok[i0]
+            p[r1, i1] = (bb + bias[r1]) * tok[i1]
+
+
+@njit(fastmath=True, cache=True)
+def _online_softmax(p, n, m, l, acc, ebits) -> None:
+    """Online softmax step: logits ``p[:, :n]`` become weights; running max/sum/output rescaled.
+
+    The exp runs over the whole (contiguous) ``p`` buffer in one vectorised call; entries past
+    ``n`` hold stale finite values and are never read as weights.
+    """
+    nr, d = acc.shape
+    for r in range(nr):
+        mx = m[r]
+        for i in range(n):
+            mx = max(mx, p[r, i])
+        corr = np.exp(m[r] - mx)
+        m[r] = mx
+        for i in range(p.shape[1]):
+            p[r, i] = min(p[r, i] - mx, np.float32(0))
+        l[r] *= corr
+        if corr != 1:
+            a = acc[r]
+            for c in range(d):
+                a[c] *= corr
+    flat = p.reshape(p.size)
+    _exp_nonpositive(flat, flat, ebits)
+    for r in range(nr):
+        tot = np.float32(0)
+        for i in range(n):
+            tot += p[r, i]
+        l[r] += tot
+
+
+@njit(fastmath=True, cache=True)
+def _dequant_values(vgrp, n, s, o) -> None:
+    """In place: code rows ``vgrp[i, g, :]`` -> ``code * s[i, g] + o[i, g]``."""
+    ng, group = vgrp.shape[1], vgrp.shape[2]
+    for i in range(n):
+        for g in range(ng):
+            si = s[i, g]
+            oi = o[i, g]
+            for c in range(group):
+                vgrp[i, g, c] = vgrp[i, g, c] * si + oi
+
+
+@njit(fastmath=True, cache=True)
+def _accumulate(p, vbuf, n, acc) -> None:
+    """``acc[r] += sum_i p[r, i] * vbuf[i]``: two rows by two tokens per pass over d."""
+    nr, d = acc.shape
+    for r0 in range(0, nr - 1, 2):
+        a = acc[r0]
+        b = acc[r0 + 1]
+        for i0 in range(0, n, 2):
+            i1 = min(i0 + 1, n - 1)
+            wa0 = p[r0, i0]
+            wb0 = p[r0 + 1, i0]
+            wa1 = p[r0, i1] if i1 > i0 else np.float32(0)
+            wb1 = p[r0 + 1, i1] if i1 > i0 else np.float32(0)
+            v0 = vbuf[i0]
+            v1 = vbuf[i1]
+            for c in range(d):
+                a[c] += wa0 * v0[c] + wa1 * v1[c]
+                b[c] += wb0 * v0[c] + wb1 * v1[c]
+    if nr % 2:
+        a = acc[nr - 1]
+        for i in range(n):
+            w = p[nr - 1, i]
+            v = vbuf[i]
+            for c in range(d):
+                a[c] += w * v[c]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset,
+                     bits, kgroup, vgroup, scale):
+    """Attention of ``q`` float32 [b, hk, rows, d] (already grouped by KV head and rotated as the
+    keys are) over code blocks; returns (out float32 [b, hk, rows, d], lse float32 [b, hk, rows]).
+
+    kcodes/vcodes uint8 [b, hk, t, row_bytes]; kscale/koffset uint16 (float16 bits)
+    [b, hk, ceil(t / kgroup), d]; vscale/voffset uint16 [b, hk, t, d // vgroup]; knorm float32
+    [b, t] multiplies each token's logit when ``use_norm``.
+    """
+    nb, nhk, nr, d = q.shape
+    nt = kcodes.shape[2]
+    nkg = (nt + kgroup - 1) // kgroup
+    nvg = d // vgroup
+    out = np.empty((nb, nhk, nr, d), np.float32)
+    lse = np.empty((nb, nhk, nr), np.float32)
+    for bh in prange(nb * nhk):
+        b, h = bh // nhk, bh % nhk
+        m = np.full(nr, -np.inf, np.float32)
+        l = np.zeros(nr, np.float32)
+        acc = np.zeros((nr, d), np.float32)
+        qs = np.empty((nr, d), np.float32)
+        bias = np.empty(nr, np.float32)
+        ks = np.empty(d, np.float32)
+        ko = np.empty(d, np.float32)
+        kbuf = np.empty((BLOCK, d), np.float32)
+        vbuf = np.empty((BLOCK, d), np.float32)
+        vgrp = vbuf.reshape((BLOCK, nvg, vgroup))  # the same memory, by channel group
+        vs = np.empty(BLOCK * nvg, np.float32)
+        vo = np.empty(BLOCK * nvg, np.float32)
+        p = np.zeros((nr, BLOCK), np.float32)
+        tok = np.empty(BLOCK, np.float32)
+        ebits = np.empty(nr * BLOCK, np.int32)
+        vsc = vscale[b, h].reshape(nt * nvg)
+        voc = voffset[b, h].reshape(nt * nvg)
+        for g in range(nkg):
+            halves_to_floats(kscale[b, h, g], ks)
+            halves_to_floats(koffset[b, h, g], ko)
+            _fold_key_group(q[b, h], ks, ko, qs, bias)
+            t_end = min(nt, (g + 1) * kgroup)
+            for t0 in range(g * kgroup, t_end, BLOCK):
+                n = min(BLOCK, t_end - t0)
+                unpack_rows(kcodes[b, h], t0, n, bits, d, kbuf)
+                for i in range(n):
+                    tok[i] = scale * knorm[b, t0 + i] if use_norm else scale
+                _logits(qs, kbuf, n, bias, tok, p)
+                _online_softmax(p, n, m, l, acc, ebits)
+                unpack_rows(vcodes[b, h], t0, n, bits, d, vbuf)
+                halves_to_floats(vsc[t0 * nvg:(t0 + n) * nvg], vs[:n * nvg])
+                halves_to_floats(voc[t0 * nvg:(t0 + n) * nvg], vo[:n * nvg])
+                _dequant_values(vgrp, n, vs.reshape((BLOCK, nvg)), vo.reshape((BLOCK, nvg)))
+                _accumulate(p, vbuf, n, acc)
+        for r in range(nr):
+            inv = np.float32(1) / l[r]
+            for c in range(d):
+                out[b, h, r, c] = acc[r, c] * inv
+            lse[b, h, r] = m[r] + np.log(l[r])
+    return out, lse
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, eta_bits, rho_bits, n_eta,
+                   rho_cb, dirs, scale):
+    """OCTOPUS attention of rotated queries ``q`` float32 [b, hk, rows, d] over triplet codes.
+
+    Keys: logit = gamma_t * <q, v_hat_t> * scale with v_hat_t decoded once per KV head and block.
+    Values: ``vgamma * v_hat`` (rotated domain; the caller un-rotates the output) or, when
+    ``values_fp16``, the float16 rows ``vhalf`` (uint16 bits [b, hk, t, d], original domain).
+    Returns (out float32 [b, hk, rows, d], lse float32 [b, hk, rows]).
+    """
+    nb, nhk, nr, d = q.shape
+    nt = kcodes.shape[2]
+    ntrip = (d + 2) // 3
+    out = np.empty((nb, nhk, nr, d), np.float32)
+    lse = np.empty((nb, nhk, nr), np.float32)
+    for bh in prange(nb * nhk):
+        b, h = bh // nhk, bh % nhk
+        m = np.full(nr, -np.inf, np.float32)
+        l = np.zeros(nr, np.float32)
+        acc = np.zeros((nr, d), np.float32)
+        zero_bias = np.zeros(nr, np.float32)
+        kbuf = np.empty((BLOCK, d), np.float32)
+        vbuf = np.empty((BLOCK, d), np.float32)
+        cbuf = np.empty((BLOCK, ntrip), np.int32)
+        p = np.zeros((nr, BLOCK), np.float32)
+        tok = np.empty(BLOCK, np.float32)
+        ebits = np.empty(nr * BLOCK, np.int32)
+        for t0 in range(0, nt, BLOCK):
+            n = min(BLOCK, nt - t0)
+            decode_rows(kcodes[b, h], t0, n, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, cbuf, kbuf)
+            for i in range(n):
+                tok[i] = scale * kgamma[b, h, t0 + i]
+            _logits(q[b, h], kbuf, n, zero_bias, tok, p)
+            _online_softmax(p, n, m, l, acc, ebits)
+            if values_fp16:
+                for i in range(n):
+                    halves_to_floats(vhalf[b, h, t0 + i], vbuf[i])
+            else:
+                decode_rows(vcodes[b, h], t0, n, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, cbuf, vbuf)
+                for i in range(n):
+                    g = vgamma[b, h, t0 + i]
+                    for c in range(d):
+                        vbuf[i, c] *= g
+            _accumulate(p, vbuf, n, acc)
+        for r in range(nr):
+            inv = np.float32(1) / l[r]
+            for c in range(d):
+                out[b, h, r, c] = acc[r, c] * inv
+            lse[b, h, r] = m[r] + np.log(l[r])
+    return out, lse

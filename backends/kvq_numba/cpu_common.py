@@ -1,0 +1,224 @@
+"""Scalar and row helpers shared by the Numba CPU kernels: float16 bits, bit (un)packing, the FWHT.
+
+Numba has no float16 on the CPU, so stored float16 fields travel as their uint16 bit patterns and
+are widened here exactly. Code rows follow kvq_core.layout's rule (little-endian bitstream, LSB
+first, zero padding to whole bytes). The FWHT repeats kvq_core.math.hadamard.fwht's float32
+butterflies in the same order, so a rotation is bitwise the reference's.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: 2**(e - 25) for float16 exponent field e (e = 0: subnormals, scale 2**-24), as float32.
+_POW2 = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 31)] + [np.inf], dtype=np.float32)
+
+
+@njit(inline="always", cache=True)
+def half_to_float(h: np.uint16) -> np.float32:
+    """The float32 value of float16 bits ``h`` (exact; NaN payloads become Inf)."""
+    u = np.int32(h)
+    e = (u >> 10) & 0x1F
+    m = u & 0x3FF
+    if e != 0:
+        m |= 0x400
+    v = np.float32(m) * _POW2[e]
+    return -v if u & 0x8000 else v
+
+
+@njit(fastmath=True, cache=True)
+def halves_to_floats(src, dst) -> None:
+    """``dst[:] = float32(src[:])`` for float16 bits ``src`` (uint16, 1-D): exact, vectorisable.
+
+    Normal numbers by re-biasing the bits in an int32 view of ``dst``; zeros and subnormals
+    (exponent field 0) fixed up in a second pass; Inf/NaN keep their class.
+    """
+    di = dst.view(np.int32)
+    n = src.shape[0]
+    for c in range(n):
+        h = np.int32(src[c])
+        bits = ((h & 0x8000) << 16) | (((h & 0x7FFF) << 13) + 0x38000000)
+        if h & 0x7C00 == 0x7C00:
+            bits |= 0x7F800000
+        di[c] = bits
+    for c in range(n):
+        h = np.int32(src[c])
+        if h & 0x7C00 == 0:
+            v = np.float32(h & 0x3FF) * np.float32(2.0**-24)
+            dst[c] = -v if h & 0x8000 else v
+
+
+@njit(inline="always", cache=True)
+def _sum_squares_block(a, lo, n) -> np.float32:
+    """NumPy's pairwise-sum leaf (n <= 128) over ``a[lo:lo+n] ** 2``: 8 running sums, then the rest."""
+    if n < 8:
+        res = np.float32(0)
+        for i in range(n):
+            res += a[lo + i] * a[lo + i]
+        return res
+    r0, r1, r2, r3 = a[lo] * a[lo], a[lo + 1] * a[lo + 1], a[lo + 2] * a[lo + 2], a[lo + 3] * a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4] * a[lo + 4], a[lo + 5] * a[lo + 5], a[lo + 6] * a[lo + 6], a[lo + 7] * a[lo + 7]
+    i = 8
+    while i < n - (n % 8):
+        j = lo + i
+        r0 += a[j] * a[j]
+        r1 += a[j + 1] * a[j + 1]
+        r2 += a[j + 2] * a[j + 2]
+        r3 += a[j + 3] * a[j + 3]
+        r4 += a[j + 4] * a[j + 4]
+        r5 += a[j + 5] * a[j + 5]
+        r6 += a[j + 6] * a[j + 6]
+        r7 += a[j + 7] * a[j + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i] * a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def sum_squares(a, n) -> np.float32:
+    """``sum(a[:n] ** 2)`` in float32 in NumPy's pairwise order (leaves of up to 128, halves
+    rounded to multiples of 8 above), so norms are bitwise the reference's ``np.linalg.norm`` /
+    ``np.square(x).sum(dtype=float32)`` and codes near boundaries decide alike.
+
+    The halving recursion runs on explicit stacks (numba's cache rejects recursive functions).
+    """
+    if n <= 128:
+        return _sum_squares_block(a, 0, n)
+    todo_lo = np.empty(64, np.int64)
+    todo_n = np.empty(64, np.int64)
+    todo_join = np.empty(64, np.bool_)
+    vals = np.empty(64, np.float32)
+    top, nvals = 0, 0
+    todo_lo[0], todo_n[0], todo_join[0] = 0, n, False
+    top = 1
+    while top > 0:
+        top -= 1
+        lo, m, join = todo_lo[top], todo_n[top], todo_join[top]
+        if join:
+            nvals -= 1
+            vals[nvals - 1] = vals[nvals - 1] + vals[nvals]
+        elif m <= 128:
+            vals[nvals] = _sum_squares_block(a, lo, m)
+            nvals += 1
+        else:
+            m2 = m // 2
+            m2 -= m2 % 8
+            todo_lo[top], todo_n[top], todo_join[top] = lo, m, True
+            todo_lo[top + 1], todo_n[top + 1], todo_join[top + 1] = lo + m2, m - m2, False
+            todo_lo[top + 2], todo_n[top + 2], todo_join[top + 2] = lo, m2, False
+            top += 3
+    return vals[0]
+
+
+def half_bits(a: np.ndarray) -> np.ndarray:
+    """A float16 array as its contiguous uint16 bit patterns (no copy when already contiguous)."""
+    return np.ascontiguousarray(a, dtype=np.float16).view(np.uint16)
+
+
+@njit(inline="always", cache=True)
+def pack_row(codes, bits, out) -> None:
+    """Pack unsigned ``codes`` (uint8, < 2**bits) into the uint8 row ``out`` (layout rule)."""
+    count = codes.shape[0]
+    if bits == 2 and count % 4 == 0:
+        for j in range(count // 4):
+            out[j] = codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6)
+    elif bits == 4 and count % 2 == 0:
+        for j in range(count // 2):
+            out[j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+    elif bits == 8:
+        for j in range(count):
+            out[j] = codes[j]
+    else:
+        acc = np.uint32(0)
+        nacc = 0
+        j = 0
+        for i in range(count):
+            acc |= np.uint32(codes[i]) << np.uint32(nacc)
+            nacc += bits
+            while nacc >= 8:
+                out[j] = np.uint8(acc & np.uint32(0xFF))
+                acc >>= np.uint32(8)
+                nacc -= 8
+                j += 1
+        if nacc > 0:
+            out[j] = np.uint8(acc & np.uint32(0xFF))
+
+
+@njit(inline="always", cache=True)
+def unpack_rows(codes, t0, n, bits, count, out) -> None:
+    """Unpack rows ``t0 .. t0+n`` of the uint8 code rows ``codes`` [rows, row_bytes] into
+    ``out[0 .. n]`` [>= n, count] (float32 or int): ``count`` codes of ``bits`` bits per row.
+
+    Works on 2-D arrays with plain indices (no per-row views) so LLVM vectorises the fast paths.
+    """
+    if bits == 2 and count % 4 == 0:
+        for i in range(n):
+            for j in range(count // 4):
+                b = np.int32(codes[t0 + i, j])
+                out[i, 4 * j] = b & 3
+                out[i, 4 * j + 1] = (b >> 2) & 3
+                out[i, 4 * j + 2] = (b >> 4) & 3
+                out[i, 4 * j + 3] = (b >> 6) & 3
+    elif bits == 4 and count % 2 == 0:
+        for i in range(n):
+            for j in range(count // 2):
+                b = np.int32(codes[t0 + i, j])
+                out[i, 2 * j] = b & 15
+                out[i, 2 * j + 1] = b >> 4
+    elif bits == 8:
+        for i in range(n):
+            for j in range(count):
+                out[i, j] = codes[t0 + i, j]
+    else:
+        mask = np.uint32((1 << bits) - 1)
+        for i in range(n):
+            acc = np.uint32(0)
+            nacc = 0
+            j = 0
+            for c in range(count):
+                while nacc < bits:
+                    acc |= np.uint32(codes[t0 + i, j]) << np.uint32(nacc)
+                    nacc += 8
+                    j += 1
+                out[i, c] = acc & mask
+                acc >>= np.uint32(bits)
+                nacc -= bits
+
+
+#: rows transformed together by :func:`fwht_rows` (one vector register of float32 on AVX-512)
+FWHT_ROWS = 16
+
+
+@njit(inline="always", cache=True)
+def fwht_rows(x, t0, n, inv_sqrt_d, y, tb) -> None:
+    """``y[t0:t0+n] = x[t0:t0+n] H`` (orthonormal Sylvester) for rows of 2-D float32 ``x`` [t, d].
+
+    The rows are transposed into ``tb`` [d, FWHT_ROWS] so every butterfly is a contiguous vector
+    operation across rows; each element sees the reference's float32 operations in its order
+    (``a + b``, ``a - b`` per stage, then ``* inv_sqrt_d``), so the result is bitwise the same.
+    """
+    d = x.shape[1]
+    for c in range(d):
+        for i in range(n):
+            tb[c, i] = x[t0 + i, c]
+    h = 1
+    while h < d:
+        for base in range(0, d, 2 * h):
+            for j in range(base, base + h):
+                for i in range(FWHT_ROWS):
+                    u = tb[j, i]
+                    v = tb[j + h, i]
+                    tb[j, i] = u + v
+                    tb[j + h, i] = u - v
+        h *= 2
+    for i in range(n):
+        for c in range(d):
+            y[t0 + i, c] = tb[c, i] * inv_sqrt_d
+
+
+def inv_sqrt(d: int) -> np.float32:
+    """``float32(1/sqrt(d))``, the factor the reference FWHT scales by."""
+    return np.float32(1.0 / np.sqrt(d))

@@ -1,0 +1,125 @@
+"""The Numba kernels of the integer-code methods (OScaR, KIVI): keys coded per channel over token
+groups, values per token over channel groups, optionally rotated (H) and token-normalised (OTS).
+
+:class:`IntCodesNumba` routes NumPy/CPU input to the ``@njit`` kernels and CUDA input to
+:mod:`kvq_numba.gpu_intcodes`; :class:`OscarNumba` and :class:`KiviNumba` only say which
+ingredients their method uses.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvq_core.kernels import KernelContext
+from kvq_core.methods.kivi import KiviSpec
+from kvq_core.methods.oscar import OscarSpec
+from kvq_numba import cpu_attend, cpu_intquant, cpu_rotation, rules
+from kvq_numba.arrays import as_float32, is_cuda_input
+from kvq_numba.cpu_common import half_bits, inv_sqrt
+
+Fields = dict[str, Any]
+
+
+class IntCodesNumba:
+    """Asymmetric min/max integer codes (kvq_numpy.intquant) with the method's rotation and OTS."""
+
+    bits: int
+    key_group: int
+    value_group: int
+    rotation: bool
+    token_scaling: bool
+    zero_mode: int
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self.inv_sqrt_d = inv_sqrt(spec.head_dim)
+        self._cuda: Any = None
+
+    def _gpu(self) -> Any:
+        """The CUDA kernels of the same method (imported, and numba.cuda with them, on first CUDA input)."""
+        if self._cuda is None:
+            from kvq_numba.gpu_intcodes import IntCodesCuda
+
+            self._cuda = IntCodesCuda(self)
+        return self._cuda
+
+    def _rotate(self, x: np.ndarray) -> np.ndarray:
+        return cpu_rotation.rotate(x, self.inv_sqrt_d) if self.rotation else x
+
+    @staticmethod
+    def _fields(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> Fields:
+        # float32 -> float16 rounding by NumPy, exactly as the reference stores them; an overflow
+        # to Inf is reported by the core's check_stored_finite
+        with np.errstate(over="ignore"):
+            return {"codes": codes, "scale": scale.astype(np.float16), "offset": offset.astype(np.float16)}
+
+    # -- kernels --------------------------------------------------------------------------------
+    def encode_keys(self, k: Any, ctx: KernelContext) -> Fields:
+        if is_cuda_input(k):
+            return self._gpu().encode_keys(k, ctx)
+        kr = self._rotate(as_float32(k))
+        norm = None
+        if self.token_scaling:
+            kr, norm = cpu_rotation.unit_keys(kr)
+        fields = self._fields(*cpu_intquant.encode_token_groups(kr, self.bits, self.key_group, self.zero_mode))
+        if norm is not None:
+            fields["norm"] = norm
+        return fields
+
+    def decode_keys(self, fields: Fields, ctx: KernelContext) -> Any:
+        if is_cuda_input(fields["codes"]):
+            return self._gpu().decode_keys(fields, ctx)
+        k = cpu_intquant.decode_token_groups(np.ascontiguousarray(fields["codes"]), half_bits(fields["scale"]),
+                                             half_bits(fields["offset"]), self.bits, self.key_group, self.spec.head_dim)
+        if self.token_scaling:
+            cpu_rotation.scale_tokens(k, as_float32(fields["norm"]))
+        return self._rotate(k)
+
+    def encode_values(self, v: Any, ctx: KernelContext) -> Fields:
+        if is_cuda_input(v):
+            return self._gpu().encode_values(v, ctx)
+        vr = self._rotate(as_float32(v))
+        return self._fields(*cpu_intquant.encode_channel_groups(vr, self.bits, self.value_group, self.zero_mode))
+
+    def decode_values(self, fields: Fields, ctx: KernelContext) -> Any:
+        if is_cuda_input(fields["codes"]):
+            return self._gpu().decode_values(fields, ctx)
+        v = cpu_intquant.decode_channel_groups(np.ascontiguousarray(fields["codes"]), half_bits(fields["scale"]),
+                                               half_bits(fields["offset"]), self.bits, self.value_group,
+                                               self.spec.head_dim)
+        return self._rotate(v)
+
+    def attend(self, q: Any, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
+        """Scores from the codes in the rotated domain (``(Hq)·(Hk) = q·k``); one un-rotation of the output."""
+        if is_cuda_input(q):
+            return self._gpu().attend(q, kfields, vfields, ctx, scale)
+        b, hq, lq, d = q.shape
+        hk = ctx.shape[1]
+        qr = self._rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d))
+        norm = as_float32(kfields["norm"]) if self.token_scaling else np.ones((1, 1), np.float32)
+        out, lse = cpu_attend.attend_int_codes(
+            qr, np.ascontiguousarray(kfields["codes"]), half_bits(kfields["scale"]), half_bits(kfields["offset"]),
+            norm, self.token_scaling, np.ascontiguousarray(vfields["codes"]), half_bits(vfields["scale"]),
+            half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
+        return self._rotate(out).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+
+class OscarNumba(IntCodesNumba):
+    """OScaR: Hadamard rotation (``rotation``), omni-token key norm (``token_scaling``), integer zero-point."""
+
+    def __init__(self, spec: OscarSpec) -> None:
+        super().__init__(spec)
+        self.bits, self.key_group, self.value_group = spec.bits, spec.key_group, spec.value_group
+        self.rotation, self.token_scaling = spec.rotation, spec.token_scaling
+        self.zero_mode = rules.ZERO_INTEGER
+
+
+class KiviNumba(IntCodesNumba):
+    """KIVI: no rotation, no token norm, the group minimum as the zero-point, one group size."""
+
+    def __init__(self, spec: KiviSpec) -> None:
+        super().__init__(spec)
+        self.bits, self.key_group, self.value_group = spec.bits, spec.group, spec.group
+        self.rotation, self.token_scaling = False, False
+        self.zero_mode = rules.ZERO_MIN

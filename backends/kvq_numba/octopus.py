@@ -1,0 +1,97 @@
+"""The Numba kernels of OCTOPUS: NumPy/CPU input runs :mod:`kvq_numba.cpu_octopus` and the fused
+:func:`kvq_numba.cpu_attend.attend_octopus`; CUDA input runs :mod:`kvq_numba.gpu_octopus`."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvq_core.kernels import KernelContext
+from kvq_core.methods.octopus import OctopusSpec
+from kvq_numba import cpu_attend, cpu_octopus
+from kvq_numba.arrays import as_float32, is_cuda_input
+from kvq_numba.cpu_common import half_bits, inv_sqrt
+
+Fields = dict[str, Any]
+
+
+class OctopusNumba:
+    """OCTOPUS encode/decode/attend; keys (and octopus-coded values) stay rotated inside attend."""
+
+    def __init__(self, spec: OctopusSpec) -> None:
+        self.spec = spec
+        self.inv_sqrt_d = inv_sqrt(spec.head_dim)
+        self._cuda: Any = None
+
+    def _gpu(self) -> Any:
+        if self._cuda is None:
+            from kvq_numba.gpu_octopus import OctopusCuda
+
+            self._cuda = OctopusCuda(self)
+        return self._cuda
+
+    def _books(self, consts: Any) -> tuple[Any, ...]:
+        """Decode constants in kernel argument order (after the code arrays)."""
+        s = self.spec
+        return (s.triplet_bits, s.eta_bits, s.rho_bits, consts["eta_codebook"].size,
+                np.ascontiguousarray(consts["rho_codebook"]), np.ascontiguousarray(consts["directions"]))
+
+    def _encode(self, x: Any, consts: Any) -> Fields:
+        s = self.spec
+        codes, gamma = cpu_octopus.encode(
+            as_float32(x), np.ascontiguousarray(consts["signs"]), self.inv_sqrt_d, consts["xi_thresholds"],
+            consts["eta_thresholds"], consts["rho_thresholds"], np.ascontiguousarray(consts["directions"]),
+            consts["xi_codebook"].size, consts["eta_codebook"].size, s.eta_bits, s.rho_bits, s.triplet_bits,
+            s.rounding == "joint")
+        return {"codes": codes, "norm": gamma}
+
+    def _decode(self, fields: Fields, consts: Any) -> np.ndarray:
+        return cpu_octopus.decode(np.ascontiguousarray(fields["codes"]), as_float32(fields["norm"]),
+                                  np.ascontiguousarray(consts["signs"]), self.inv_sqrt_d, *self._books(consts),
+                                  self.spec.head_dim)
+
+    # -- kernels --------------------------------------------------------------------------------
+    def encode_keys(self, k: Any, ctx: KernelContext) -> Fields:
+        if is_cuda_input(k):
+            return self._gpu().encode_keys(k, ctx)
+        return self._encode(k, ctx.consts)
+
+    def decode_keys(self, fields: Fields, ctx: KernelContext) -> Any:
+        if is_cuda_input(fields["codes"]):
+            return self._gpu().decode_keys(fields, ctx)
+        return self._decode(fields, ctx.consts)
+
+    def encode_values(self, v: Any, ctx: KernelContext) -> Fields:
+        if is_cuda_input(v):
+            return self._gpu().encode_values(v, ctx)
+        if self.spec.values == "fp16":
+            return {"data": as_float32(v).astype(np.float16)}
+        return self._encode(v, ctx.consts)
+
+    def decode_values(self, fields: Fields, ctx: KernelContext) -> Any:
+        if is_cuda_input(next(iter(fields.values()))):
+            return self._gpu().decode_values(fields, ctx)
+        if self.spec.values == "fp16":
+            return np.asarray(fields["data"]).astype(np.float32)
+        return self._decode(fields, ctx.consts)
+
+    def attend(self, q: Any, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
+        """Score ``gamma_j <R q, v_hat_j>`` from the codes; un-rotate the output once (octopus values)."""
+        if is_cuda_input(q):
+            return self._gpu().attend(q, kfields, vfields, ctx, scale)
+        b, hq, lq, d = q.shape
+        hk = ctx.shape[1]
+        signs = np.ascontiguousarray(ctx.consts["signs"])
+        qr = cpu_octopus.signed_rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d), signs, self.inv_sqrt_d)
+        fp16 = self.spec.values == "fp16"
+        empty_codes = np.zeros((1, 1, 1, 1), np.uint8)
+        empty_f32 = np.zeros((1, 1, 1), np.float32)
+        out, lse = cpu_attend.attend_octopus(
+            qr, np.ascontiguousarray(kfields["codes"]), as_float32(kfields["norm"]),
+            empty_codes if fp16 else np.ascontiguousarray(vfields["codes"]),
+            empty_f32 if fp16 else as_float32(vfields["norm"]),
+            half_bits(vfields["data"]) if fp16 else np.zeros((1, 1, 1, 1), np.uint16), fp16,
+            *self._books(ctx.consts), np.float32(scale))
+        if not fp16:
+            out = cpu_octopus.signed_unrotate(out, signs, self.inv_sqrt_d)
+        return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)

@@ -1,0 +1,64 @@
+"""The Numba backend: its ``supports`` answers, CPU auto-selection, that kernels compile once per
+signature (not per example), and its CUDA kernels under the simulator. The conformance of its CPU
+kernels runs with every backend's in tests/test_conformance.py (exact codes)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from kvq_core import registry, testing
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+
+def test_kernels_compile_once_per_signature() -> None:
+    """Many conformance shapes/dtypes reuse one compiled specialisation per kernel (fixed dtypes)."""
+    from kvq_numba import cpu_attend, cpu_intquant
+
+    testing.check_method("numba", "oscar", max_examples=4, errors=False)
+    for kernel in (cpu_attend.attend_int_codes, cpu_intquant.encode_token_groups, cpu_intquant.decode_channel_groups):
+        assert 1 <= len(kernel.signatures) <= 2, (kernel, kernel.signatures)
+
+
+def test_supports_names_what_is_missing() -> None:
+    from kvq_numba.plugin import supports
+
+    assert supports(registry.make_spec("oscar"), "cpu") == (True, None)
+    assert supports(registry.make_spec("kivi"), None) == (True, None)
+    ok, why = supports(registry.make_spec("quarot"), "cpu")
+    assert not ok and "quarot" in why
+    ok, why = supports(registry.make_spec("kivi"), "cuda")
+    assert not ok and "kivi" in why
+    ok, why = supports(registry.make_spec("oscar", bits=3), "cuda:0")
+    assert not ok and "bits" in why
+    ok, why = supports(registry.make_spec("octopus", xi_bits=8, eta_bits=8, rho_bits=4), "cpu")
+    assert not ok and "20" in why
+    ok, why = supports(registry.make_spec("oscar", head_dim=512), "cuda")
+    assert not ok and "head_dim" in why
+    ok, why = supports(registry.make_spec("oscar"), "mps")
+    assert not ok and "mps" in why
+
+
+def test_auto_picks_numba_on_cpu_only_where_supported() -> None:
+    assert registry.select_backend("oscar", "cpu") == "numba"
+    assert registry.select_backend("octopus", None) == "numpy"  # NumPy arrays keep the reference
+    assert registry.select_backend("quarot", "cpu") != "numba"
+
+
+@pytest.mark.slow
+def test_cuda_kernels_under_the_simulator() -> None:
+    """The CUDA kernels pass the conformance suite in a separate process with NUMBA_ENABLE_CUDASIM=1
+    (each simulated GPU thread is a Python thread: ~13 min on a loaded 2-core machine)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "backends"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(root / "tests" / "numba_cuda_sim_conformance.py")],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "2 passed" in proc.stdout, proc.stdout[-2000:]
