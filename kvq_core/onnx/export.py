@@ -79,7 +79,9 @@ def export(quantizer: Quantizer, path: str | os.PathLike, graph: str, *, kv_head
     ``values_<field>``... -> ``out``, ``lse``). Inputs and outputs are named after the layout's
     fields with its dtypes (uint8 code rows, float16/float32 side fields), batch, tokens and
     q_len are dynamic; ``kv_heads`` (and ``q_heads`` for attend, a multiple of it: GQA) and the
-    spec's head_dim are fixed. K/V and q are float32. ``scale`` defaults to 1/sqrt(head_dim).
+    spec's head_dim are fixed (give ``head_dim`` to ``get_quantizer``: an unbound quantizer
+    exports at its default). K/V and q are float32; ``scale`` defaults to 1/sqrt(head_dim).
+    The quantizer's backend does not matter: the ``"torch"`` kernels are traced.
     """
     spec = quantizer.spec
     check_exportable(spec.method, graph, opset)
