@@ -168,6 +168,27 @@ def test_unsigned_shift_workaround(tmp_path):
     np.testing.assert_array_equal(same, y)
 
 
+class _OpaqueOp(torch.nn.Module):
+    """A module that calls a ``kvq::`` op itself (as a user's model would) instead of its kernel."""
+
+    def __init__(self, spec_json: str) -> None:
+        super().__init__()
+        self.spec_json = spec_json
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.ops.kvq.encode("torch", self.spec_json, 0, "values", x))
+
+
+def test_opaque_kvq_op_is_an_export_error(tmp_path):
+    """A ``kvq::`` op never reaches an ONNX file as an opaque node: export stops with ExportError."""
+    spec = get_quantizer("kivi", "torch", head_dim=64).spec
+    io = GraphIO(_OpaqueOp(spec.to_json()), (torch.randn(2, 2, 40, 64),), ("x",), ("codes", "scale", "offset"),
+                 ({0: torch.export.Dim("batch")},))
+    with pytest.raises(ExportError, match="kvq.encode"):
+        to_onnx(io, tmp_path / "opaque.onnx")
+    assert not (tmp_path / "opaque.onnx").exists()
+
+
 @pytest.mark.parametrize(("method", "graph", "opset", "match"), [
     ("qjl", "attend", MIN_OPSET, "no checked export path"),
     ("kivi", "attend", MIN_OPSET - 1, "opset=22"),

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from kvq_core.onnx.export import export
     except ImportError as exc:
-        raise ImportError(f"kvq export onnx needs torch, onnx and onnxscript ({exc})") from None
+        raise ImportError(f"kvq export onnx needs torch, onnx and onnxscript: pip install 'kvq[onnx,torch]' ({exc})") from None
     from kvq_core.api import get_quantizer
 
     args = build_parser().parse_args(argv)

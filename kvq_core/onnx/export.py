@@ -49,12 +49,18 @@ def check_exportable(method: str, graph: str, opset: int) -> None:
 
 def to_onnx(io: GraphIO, path: str | os.PathLike, opset: int = MIN_OPSET) -> onnx.ModelProto:
     """Trace ``io.module`` with kvq's translations, save it (weights inline) and return the model."""
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # torch.onnx/export chatter (deprecations, training mode)
-        program = torch.onnx.export(
-            io.module.eval(), io.args, dynamo=True, opset_version=opset, verbose=False,
-            input_names=list(io.input_names), output_names=list(io.output_names),
-            dynamic_shapes=io.dynamic_shapes, custom_translation_table=TRANSLATIONS)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # torch.onnx/export chatter (deprecations, training mode)
+            program = torch.onnx.export(
+                io.module.eval(), io.args, dynamo=True, opset_version=opset, verbose=False,
+                input_names=list(io.input_names), output_names=list(io.output_names),
+                dynamic_shapes=io.dynamic_shapes, custom_translation_table=TRANSLATIONS)
+    except torch.onnx.OnnxExporterError as exc:  # e.g. an op with no translation (an opaque kvq:: op)
+        cause: BaseException = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise ExportError(f"ONNX export of {type(io.module).__name__} failed: {str(cause).strip().splitlines()[0]}") from exc
     model = program.model_proto
     leftover = sorted({f"{n.domain}::{n.op_type}" for n in _nodes(model) if "kvq" in n.domain or "kvq" in n.op_type})
     if leftover:
