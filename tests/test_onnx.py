@@ -107,9 +107,10 @@ def test_onnxruntime_matches_reference(sessions, method, d, graphs):
                 block = PackedKV(q.spec, kind, x.shape, got, 0, "float32")
                 block.validate()
                 decode = q.decode_keys if kind == "keys" else q.decode_values
-                if ties == 0:
+                if ties == 0:  # equal codes; float16 side fields may differ by their rounding (an ulp)
                     want = decode(ref)
-                    assert (np.abs(decode(block) - want) <= decode_tolerance(want, "float32")).all()
+                    tol = decode_tolerance(want, "float32") + 2 * FIELD_RTOL["float16"] * np.abs(want).max()
+                    assert (np.abs(decode(block) - want) <= tol).all(), np.abs(decode(block) - want).max()
             if f"decode_{kind}" in graphs:
                 want = (q.decode_keys if kind == "keys" else q.decode_values)(ref)
                 got = run(sessions(method, d, f"decode_{kind}"), {n: np.asarray(a) for n, a in ref.fields.items()})["x"]

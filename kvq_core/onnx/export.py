@@ -21,8 +21,9 @@ from kvq_core.errors import ExportError, KVQError
 from kvq_core.onnx.graphs import BACKEND, GRAPHS, GraphIO, build
 from kvq_core.onnx.translations import TRANSLATIONS
 
-#: ONNX opset of exported graphs: 23 is the first with every op torch's exporter emits for kvq
-#: at the IR level the parity tests run (onnxruntime 1.32 runs it on CPU).
+#: The oldest opset kvq exports: the project targets opset 23+ (ONNX ``Attention``, sub-byte
+#: Q/DQ types; shared/specs/platform.md 4) and the parity tests run there, so an older opset is
+#: an ExportError rather than an untested file.
 MIN_OPSET = 23
 #: Methods whose every graph is exported and checked against the NumPy reference in onnxruntime
 #: (tests/test_onnx.py); others raise :class:`ExportError` rather than produce an unchecked file.
