@@ -22,7 +22,7 @@ from kvq_core.cli import main as kvq_main  # noqa: E402
 from kvq_core.errors import ExportError  # noqa: E402
 from kvq_core.layout import PackedKV, unpack_codes  # noqa: E402
 from kvq_core.onnx import GRAPHS, MIN_OPSET, export  # noqa: E402
-from kvq_core.onnx.export import to_onnx  # noqa: E402
+from kvq_core.onnx.exporter import to_onnx  # noqa: E402
 from kvq_core.onnx.graphs import GraphIO, example_tokens  # noqa: E402
 from kvq_core.testing import FIELD_RTOL, TIE_RTOL, TIE_RUNS, attend_tolerance, decode_tolerance  # noqa: E402
 
@@ -222,3 +222,27 @@ def test_cli_export(tmp_path, capsys):
     assert (np.abs(got - want) <= decode_tolerance(want, "float32")).all()
     rc = kvq_main(["export", "onnx", "qjl", "--graph", "attend", "-o", str(tmp_path / "q.onnx"), "--kv-heads", "2"])
     assert rc == 2 and "no checked export path" in capsys.readouterr().err
+
+
+def test_cli_names_the_missing_extra(tmp_path):
+    """Without onnxscript, ``kvq export onnx`` exits 2 naming the extra to install."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] == 'onnxscript':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from kvq_core.cli import main\n"
+        f"sys.exit(main(['export', 'onnx', 'kivi', '--graph', 'attend', '-o', {str(tmp_path / 'x.onnx')!r}, '--kv-heads', '2']))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "backends")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'kvq[onnx,torch]'" in proc.stderr and "onnxscript" in proc.stderr

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from kvq_core.errors import ExportError
@@ -20,7 +21,7 @@ def _param(text: str) -> tuple[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvq_core.onnx.export import MIN_OPSET
+    from kvq_core.onnx.exporter import MIN_OPSET
     from kvq_core.onnx.graphs import GRAPHS
 
     p = argparse.ArgumentParser(prog="kvq export onnx", description="Write one kvq cache computation as an ONNX graph.")
@@ -40,9 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        from kvq_core.onnx.export import export
+        from kvq_core.onnx.exporter import export
     except ImportError as exc:
-        raise ImportError(f"kvq export onnx needs torch, onnx and onnxscript: pip install 'kvq[onnx,torch]' ({exc})") from None
+        print(f"kvq: error: kvq export onnx needs torch, onnx and onnxscript: pip install 'kvq[onnx,torch]' ({exc})",
+              file=sys.stderr)
+        return 2
     from kvq_core.api import get_quantizer
 
     args = build_parser().parse_args(argv)
