@@ -1,4 +1,4 @@
-"""The ``kvq`` command line: list, info, demo, bench and eval."""
+"""The ``kvq`` command line: list, info, demo, bench, eval and export."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ FORWARDED = {
     ("bench", "speed"): "kvq_core.bench.speed",
     ("eval", "ppl"): "kvq_core.eval.ppl",
     ("eval", "niah"): "kvq_core.eval.niah",
+    ("export", "onnx"): "kvq_core.onnx.cli",
 }
 
 
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("method")
     ip.add_argument("--json", action="store_true")
     sub.add_parser("demo", help="every method on embedded synthetic K/V (add --help for options)", add_help=False)
-    for group, names in (("bench", ("fidelity", "speed")), ("eval", ("ppl", "niah"))):
+    for group, names in (("bench", ("fidelity", "speed")), ("eval", ("ppl", "niah")), ("export", ("onnx",))):
         gp = sub.add_parser(group, help=f"{group}: {', '.join(names)} (add --help after the name)")
         gp.add_argument("name", choices=names)
     return p

@@ -46,3 +46,7 @@ class PluginError(KVQError, RuntimeError):
 
 class MethodUnavailableError(KVQError, RuntimeError):
     """The method is registered but cannot be used here (its module failed to import, ...)."""
+
+
+class ExportError(KVQError, RuntimeError):
+    """A method, graph or opset has no export path to the requested format (e.g. ONNX)."""
