@@ -38,7 +38,7 @@ EXTRAS_BY_PREFIX: dict[str, tuple[str, ...]] = {
     "backends/kvq_torch": ("torch",),
     "backends/kvq_triton": ("triton", "torch"),
     "backends/kvq_numba": ("numba",),
-    "backends/kvq_onnx": ("onnx", "torch"),
+    "kvq_core/onnx": ("onnx", "torch"),
 }
 
 #: Import names whose distribution is named differently, for packages not installed here
