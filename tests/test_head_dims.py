@@ -89,3 +89,16 @@ def test_channel_groups_follow_head_dim() -> None:
     assert kvq_core.make_spec("qjl", head_dim=96).value_group == 32
     with pytest.raises(SpecError, match="group=32.*divisor of head_dim=80"):
         kvq_core.make_spec("kivi", head_dim=80, group=32)
+
+
+def test_fidelity_bench_reports_the_rotation_cost_at_96(tmp_path) -> None:
+    from kvq_core.bench import fidelity
+
+    fidelity.main(["--tokens", "64", "--kv-heads", "2", "--head-dims", "96", "128", "--bits", "2", "--no-plot",
+                   "--out", str(tmp_path)])
+    md = (tmp_path / "fidelity.md").read_text()
+    section = md.split("## Block-diagonal rotation: head_dim 96 against 128", 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("| 2 |")]
+    assert {r.split(" | ")[1] for r in rows} >= {"octopus", "oscar", "turboquant", "polarquant", "quarot"}
+    ratios = [float(x) for r in rows for x in r.strip(" |").split(" | ")[3:]]
+    assert len(ratios) == 6 * len(rows) and all(0.3 < x < 3 for x in ratios)

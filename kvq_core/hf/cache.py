@@ -185,7 +185,11 @@ class KVQLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         for what, x, spec in (("keys", key_states, self.key_spec), ("values", value_states, self.value_spec)):
             if x.shape[-1] != spec.head_dim:
-                raise InputError(f"layer {self.layer_idx}: {what} have head_dim {x.shape[-1]}; the spec says {spec.head_dim}")
+                mla = mla_dims(self._config) if self._config is not None else None
+                hint = "" if mla is None else (
+                    f" (multi-head latent attention: kvq caches the latent, kv_lora_rank={mla[0]}, as keys and the rope "
+                    f"part, qk_rope_head_dim={mla[1]}, as values, as DeepseekV3 does; this model caches something else)")
+                raise InputError(f"layer {self.layer_idx}: {what} have head_dim {x.shape[-1]}; the spec says {spec.head_dim}{hint}")
         device = str(key_states.device)
         self.kq = get_quantizer(self.key_spec, self.backend, layer=self.layer_idx, device=device)
         self.vq = self.kq if self.same_spec else get_quantizer(self.value_spec, self.backend, layer=self.layer_idx, device=device)
