@@ -29,6 +29,14 @@ packed:
 
 ``residual=0`` packs everything after each step under both.
 
+Sliding-window layers (``sliding_window=W``, e.g. Mistral, the local layers of Gemma 2/3) are
+stored the same way, and after each step drop what no later query can see, everything before
+the last W - 1 tokens (:mod:`kvq_core.hf.window`): ``update`` hands the model exactly the K/V a
+transformers ``DynamicSlidingWindowLayer`` would (its mask sizes included), the recent exact
+window staying exact. A per-token layout is cut at the window edge; a token-group block that
+straddles it stays until all its tokens are out, and meanwhile its visible tokens are handed
+over decoded (also in codes mode).
+
 Two ways to attend:
 
 - ``attention="dequant"``: ``update`` returns full K/V (decoded blocks + window) to the
