@@ -40,6 +40,16 @@ def test_conformance_at_head_dim(backend: str, method: str, head_dim: int) -> No
     assert report.examples > 0
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("head_dim", [64, 128, 112])
+def test_octopus_scalar_tail_conformance(head_dim: int) -> None:
+    """The scalar tail at power-of-two head dims too (opt-in there: ``tail="scalar"``). Not in
+    the suite's default draw, which plugin backends run and need not support it."""
+    params = {"tail": ("scalar",), "bits": (2, 3, 4), "rounding": ("joint", "plain"), "values": ("octopus", "fp16")}
+    report = testing.check_method("torch", "octopus", max_examples=4, head_dims=(head_dim,), spec_params=params)
+    assert report.examples > 0
+
+
 def _round_trip(method: str, head_dim: int) -> tuple[float, float]:
     """(relative MSE of keys, bits per element) of the default spec on Gaussian keys."""
     q = kvq_core.get_quantizer(method, backend="numpy", head_dim=head_dim)
