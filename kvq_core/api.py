@@ -1,57 +1,17 @@
 """The user-facing API: ``get_quantizer`` and the :class:`Quantizer` it returns."""
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvq_core import registry
+from kvq_core.constants import LazyConstants
 from kvq_core.errors import BackendUnavailableError, InputError, SpecError
 from kvq_core.kernels import KernelContext
 from kvq_core.layout import PackedKV, bits_per_element
 from kvq_core.spec import MethodSpec
 from kvq_core.validate import check_kv, check_packed, check_query, check_stored_finite, dtype_name
-
-
-@functools.lru_cache(maxsize=256)
-def _constants(spec: MethodSpec, kv_heads: int, layer: int) -> dict[str, Any]:
-    consts = spec.constants(kv_heads, layer)
-    for arr in consts.values():
-        arr.flags.writeable = False
-    return consts
-
-
-class _LazyConsts(Mapping):
-    """``spec.constants(kv_heads, layer)`` (cached), computed on first access.
-
-    Kernels that take their constants elsewhere (the torch ops fetch them per device) never
-    trigger the NumPy computation, so ``torch.compile`` can trace a Quantizer call without
-    tracing into NumPy code.
-    """
-
-    __slots__ = ("_key", "_data")
-
-    def __init__(self, spec: MethodSpec, kv_heads: int, layer: int) -> None:
-        self._key = (spec, kv_heads, layer)
-        self._data: dict[str, Any] | None = None
-
-    def _get(self) -> dict[str, Any]:
-        if self._data is None:
-            self._data = _constants(*self._key)
-        return self._data
-
-    def __getitem__(self, name: str) -> Any:
-        return self._get()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._get())
-
-    def __len__(self) -> int:
-        return len(self._get())
-
-    def __repr__(self) -> str:
-        return repr(self._get())
 
 
 class Quantizer:
@@ -61,53 +21,94 @@ class Quantizer:
     head_dim]`` with GQA when q_heads is a multiple of kv_heads.
     """
 
-    def __init__(self, spec: MethodSpec, backend: str, layer: int = 0) -> None:
-        info = registry.backend_info(backend)
-        if spec.method not in info.kernels:
-            raise BackendUnavailableError(
-                f"backend {backend!r} has no kernels for method {spec.method!r}; it implements {sorted(info.kernels)}"
-            )
+    def __init__(self, spec: MethodSpec, backend: str, layer: int = 0, *, bind_head_dim: bool = False) -> None:
+        """``bind_head_dim``: the spec's head_dim is a default, not the user's choice; the first
+        block this quantizer sees (encoded or packed) binds it (:attr:`spec` then shows it)."""
+        factory = registry.kernel_factory(backend, spec.method)
         ok, reason = registry.backend_status(backend)
         if not ok:
             raise BackendUnavailableError(f"backend {backend!r} is unavailable here: {reason}")
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise SpecError(spec.method, "layer", layer, "an integer >= 0")
-        self.spec = spec
         self.backend = backend
         self.layer = layer
-        self.arrays = info.arrays
-        self.kernels = info.kernels[spec.method](spec)
+        self.arrays = registry.backend_info(backend).arrays
+        self._factory = factory
+        self._check_supports = registry.backend_info(backend).supports is not None
+        self._bind_pending = bind_head_dim
+        self._set_spec(spec)
+
+    def _set_spec(self, spec: MethodSpec) -> None:
+        self.spec = spec
+        self.kernels = self._factory(spec)
+        self._devices: set[str | None] = set()
+
+    def _bind(self, head_dim: Any) -> None:
+        """Bind a defaulted head_dim to the first block's (once)."""
+        self._bind_pending = False
+        if isinstance(head_dim, int) and head_dim != self.spec.head_dim:
+            try:
+                self._set_spec(self.spec.replace(head_dim=head_dim))
+            except SpecError as exc:
+                raise InputError(f"the first block has head_dim {head_dim}, which {self.spec.method} cannot take: "
+                                 f"{exc.expected}") from None
+
+    def _device_ok(self, x: Any) -> None:
+        """Ask the backend's ``supports(spec, device)`` once per device; raise with its reason."""
+        if not self._check_supports:
+            return
+        device_of = getattr(self.arrays, "device_of", None)
+        device = device_of(x) if device_of else None
+        if device in self._devices:
+            return
+        ok, reason = registry.supports(self.backend, self.spec, device)
+        if not ok:
+            raise BackendUnavailableError(reason)
+        self._devices.add(device)
 
     def __repr__(self) -> str:
         return f"Quantizer({self.spec.describe()}, backend={self.backend!r}, layer={self.layer})"
 
     def _ctx(self, shape: tuple[int, int, int, int]) -> KernelContext:
-        return KernelContext(self.spec, self.layer, shape, _LazyConsts(self.spec, shape[1], self.layer))  # type: ignore[arg-type]
+        return KernelContext(self.spec, self.layer, shape, LazyConstants(self.spec, shape[1], self.layer))
 
-    def _pack(self, kind: str, x: Any, encode: Any) -> PackedKV:
+    def _pack(self, kind: str, x: Any) -> PackedKV:
+        shape = getattr(x, "shape", None)
+        if self._bind_pending and shape is not None and len(shape) == 4:
+            self._bind(shape[3])
+        encode = self.kernels.encode_keys if kind == "keys" else self.kernels.encode_values
         shape = check_kv(x, self.spec, self.arrays, kind)
+        self._device_ok(x)
         fields = encode(self.arrays.asarray(x), self._ctx(shape))
         packed = PackedKV(self.spec, kind, shape, fields, self.layer, dtype_name(x))  # type: ignore[arg-type]
         packed.validate()
         check_stored_finite(packed, x, self.arrays, kind)
         return packed
 
-    def _unpack(self, p: Any, kind: str, decode: Any) -> Any:
-        p = check_packed(p, self.spec, kind)
+    def _packed(self, p: Any, kind: str) -> PackedKV:
+        if self._bind_pending and isinstance(p, PackedKV) and type(p.spec) is type(self.spec):
+            if self.spec.replace(head_dim=p.spec.head_dim) == p.spec:
+                self._bind(p.spec.head_dim)
+        return check_packed(p, self.spec, kind)
+
+    def _unpack(self, p: Any, kind: str) -> Any:
+        p = self._packed(p, kind)
         fields = {k: self.arrays.asarray(v) for k, v in p.fields.items()}
+        self._device_ok(next(iter(fields.values())))
+        decode = self.kernels.decode_keys if kind == "keys" else self.kernels.decode_values
         return self.arrays.cast(decode(fields, self._ctx(p.shape)), p.dtype)
 
     def encode_keys(self, k: Any) -> PackedKV:
-        return self._pack("keys", k, self.kernels.encode_keys)
+        return self._pack("keys", k)
 
     def decode_keys(self, pk: PackedKV) -> Any:
-        return self._unpack(pk, "keys", self.kernels.decode_keys)
+        return self._unpack(pk, "keys")
 
     def encode_values(self, v: Any) -> PackedKV:
-        return self._pack("values", v, self.kernels.encode_values)
+        return self._pack("values", v)
 
     def decode_values(self, pv: PackedKV) -> Any:
-        return self._unpack(pv, "values", self.kernels.decode_values)
+        return self._unpack(pv, "values")
 
     def attend(self, q: Any, pk: PackedKV, pv: PackedKV, scale: float | None = None, return_lse: bool = False) -> Any:
         """Softmax attention of ``q`` over the packed cache, scoring from the codes.
@@ -116,9 +117,10 @@ class Quantizer:
         defaults to 1/sqrt(head_dim). With ``return_lse`` also returns the log-sum-exp of the
         scaled logits per query row, for merging with attention over other tokens.
         """
-        pk = check_packed(pk, self.spec, "keys")
-        pv = check_packed(pv, self.spec, "values")
+        pk = self._packed(pk, "keys")
+        pv = self._packed(pv, "values")
         check_query(q, pk, pv, self.arrays)
+        self._device_ok(q)
         if scale is None:
             scale = 1.0 / math.sqrt(self.spec.head_dim)
         elif not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
@@ -142,14 +144,15 @@ def get_quantizer(
 ) -> Quantizer:
     """A :class:`Quantizer` for ``method`` (a name plus ``params``, or a ready spec).
 
-    ``backend="auto"`` asks the plugins' ``kvq_select_backend`` hook; ``device`` is a hint for
-    that choice (None for NumPy arrays, or a torch device string).
+    ``backend="auto"`` asks the plugins' ``kvq_select_backend`` hook among the backends that
+    support the spec on ``device`` (None for NumPy arrays, or a torch device string). Without an
+    explicit ``head_dim`` the first block the quantizer sees binds it.
     """
     if isinstance(method, MethodSpec):
         if params:
             raise SpecError(method.method, next(iter(params)), params[next(iter(params))], "no extra parameters when a spec is given")
-        spec = method
+        spec, bind = method, False
     else:
-        spec = registry.make_spec(method, **params)
-    name = registry.select_backend(spec.method, device) if backend == "auto" else backend
-    return Quantizer(spec, name, layer)
+        spec, bind = registry.make_spec(method, **params), "head_dim" not in params
+    name = registry.select_backend(spec, device) if backend == "auto" else backend
+    return Quantizer(spec, name, layer, bind_head_dim=bind)

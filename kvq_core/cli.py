@@ -20,9 +20,10 @@ FORWARDED = {
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    methods, backends = kvq_core.list_methods(), kvq_core.list_backends()
+    methods, backends, plugins = kvq_core.list_methods(), kvq_core.list_backends(), kvq_core.list_plugins()
     if args.json:
-        print(json.dumps({"methods": [m.as_dict() for m in methods], "backends": [b.as_dict() for b in backends]}, indent=1))
+        print(json.dumps({"methods": [m.as_dict() for m in methods], "backends": [b.as_dict() for b in backends],
+                          "plugins": [p.as_dict() for p in plugins]}, indent=1))
         return 0
     print("methods:")
     for m in methods:
@@ -30,8 +31,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"  {m.name:16s} {state}; backends: {', '.join(m.detail) or '-'}; from {m.origin}")
     print("backends:")
     for b in backends:
-        state = "available" if b.available else f"unavailable: {b.reason}"
+        state = f"serves {', '.join(b.detail) or 'nothing'}" if b.available else f"unavailable: {b.reason}"
         print(f"  {b.name:16s} {state}; from {b.origin}")
+        for problem in b.problems:
+            print(f"  {'':16s} cannot serve {problem}")
+    print("plugins:")
+    for p in plugins:
+        state = "loaded" if p.available else f"failed: {p.reason}"
+        print(f"  {p.name:16s} {state}; {p.origin}")
+        if p.detail:
+            print(f"  {'':16s} registers {', '.join(p.detail)}")
+        for problem in p.problems:
+            print(f"  {'':16s} skipped {problem}")
     return 0
 
 

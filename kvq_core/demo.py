@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     results = rows(args.backend, args.tokens, args.kv_heads, args.head_dim, args.seed)
+    for rec in kvq_core.list_methods():
+        if not rec.available:
+            print(f"kvq demo: skipped {rec.name}: {rec.reason}")
     print(f"kvq demo: {args.kv_heads} KV heads x {args.tokens} tokens x head_dim {args.head_dim}, "
           f"outlier channels + sink tokens, {4 * args.kv_heads} query heads (GQA 4), backend {args.backend}\n")
     print(table(results))

@@ -42,3 +42,7 @@ class LayoutError(KVQError, ValueError):
 
 class PluginError(KVQError, RuntimeError):
     """A plugin registered something inconsistent (duplicate name, bad record)."""
+
+
+class MethodUnavailableError(KVQError, RuntimeError):
+    """The method is registered but cannot be used here (its module failed to import, ...)."""

@@ -6,12 +6,12 @@ exactly like third-party plugins, which load from the entry-point group ``kvq.pl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvq_core.registry import BackendInfo, MethodInfo
+    from kvq_core.kernels import BackendInfo, MethodInfo
 
 PROJECT = "kvq"
 ENTRY_POINT_GROUP = "kvq.plugins"
@@ -28,6 +28,21 @@ def kvq_register_methods(register: "Callable[[MethodInfo], None]") -> None:
 @hookspec
 def kvq_register_backends(register: "Callable[[BackendInfo], None]") -> None:
     """Call ``register(BackendInfo(...))`` once per backend this plugin provides."""
+
+
+@hookspec
+def kvq_register_kernels(register: "Callable[[str, str, Any], None]") -> None:
+    """Call ``register(backend, method, factory)`` to add kernels for ``method`` to a backend that
+    another plugin registers (e.g. the built-in ``"numpy"``, ``"torch"``, ``"torch-compiled"``).
+
+    ``factory`` is what a kernel table holds: a callable taking the spec, or a lazy
+    ``"module:Attr"`` reference to one; the backend's ``BackendInfo.kernel_entry`` adapts it (the
+    torch backends route it through the ``kvq::`` ops, so the factory is a
+    ``kvq_torch.common.TorchMethod`` subclass there). Runs after every plugin's methods and
+    backends are registered. A ``(backend, method)`` pair that already has kernels is an error
+    (the plugin then registers nothing); a backend that is not registered here (its package is
+    missing, say) is skipped and noted under the plugin in ``kvq list``.
+    """
 
 
 @hookspec(firstresult=True)

@@ -1,17 +1,116 @@
-"""The contract between the core and a backend's kernels for one method.
+"""The contract between the core and plugins: what a plugin registers and what kernels receive.
 
-A backend's kernel table maps a method name to a class called with the method's spec. The
+Plain data types only (no registry, no API), so every layer above can import them:
+
+- :class:`MethodInfo` / :class:`BackendInfo`: what a plugin's hooks register. A method's spec
+  class and each entry of a backend's kernel table may be a lazy ``"module:Attr"`` reference,
+  resolved on first use and separately, so a failing import makes only that method (or that
+  backend's kernels for it) unavailable, with the reason;
+- :class:`ArrayAdapter`: how the core talks to a backend's array type without importing it;
+- :class:`KernelContext` / :class:`MethodKernels`: what a kernel call receives and implements.
+
+A backend's kernel table maps a method name to a factory called with the method's spec. The
 core validates inputs, computes the constants, and hands kernels backend arrays plus a
 :class:`KernelContext`; kernels return plain dicts of fields matching the spec's layout.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+import importlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvq_core.spec import MethodSpec
+if TYPE_CHECKING:  # pragma: no cover
+    from kvq_core.spec import MethodSpec
+
+#: ``supports(spec, device) -> (ok, reason)``; ``device`` is None for NumPy input, else a device
+#: type such as ``"cpu"`` or ``"cuda"`` (the registry strips an index: "cuda:0" is asked as "cuda").
+Supports = Callable[["MethodSpec", "str | None"], "tuple[bool, str | None]"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A table entry built from another reference once it resolves: ``make(resolve(ref))``.
+
+    E.g. a torch-tensor backend's entry is "an op-calling factory, valid once the kernel class
+    ``ref`` imports", so an import failure is reported for that method at resolution time."""
+
+    ref: Any
+    make: Callable[[Any], Any]
+
+
+def resolve(ref: Any) -> Any:
+    """``ref`` itself, the object a ``"package.module:Attr"`` string names (imported now), or a
+    :class:`Deferred` entry's ``make(resolve(ref))``."""
+    if isinstance(ref, Deferred):
+        return ref.make(resolve(ref.ref))
+    if not isinstance(ref, str):
+        return ref
+    module, sep, attr = ref.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"lazy reference {ref!r}; expected 'package.module:Attr'")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodInfo:
+    """A method: its name, spec class (or a ``"module:Attr"`` reference to it) and a one-line summary."""
+
+    name: str
+    spec_cls: "type[MethodSpec] | str"
+    summary: str = ""
+
+
+def _always_available() -> tuple[bool, str | None]:
+    return True, None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendInfo:
+    """A backend: a table from method name to kernel factory (called with the spec), or to a
+    ``"module:Attr"`` reference to one.
+
+    ``is_available()`` returns ``(True, None)`` or ``(False, reason)`` for the whole backend (a
+    missing package or device); ``supports(spec, device)`` the same per spec and device (head_dim,
+    bit width, device type). Both are asked lazily.
+
+    ``kernel_entry(method, factory)`` turns kernels that *another* plugin adds to this backend
+    (hook ``kvq_register_kernels``) into an entry of this table, e.g. a torch-tensor backend
+    routes them through its ``kvq::`` ops; None: the factory (or reference) is the entry as given.
+    """
+
+    name: str
+    kernels: Mapping[str, Any]
+    arrays: "ArrayAdapter"
+    is_available: Callable[[], tuple[bool, str | None]] = _always_available
+    summary: str = ""
+    supports: Supports | None = None
+    kernel_entry: Callable[[str, Any], Any] | None = None
+
+
+class ArrayAdapter(Protocol):
+    """How the core talks to a backend's array type without importing it."""
+
+    def asarray(self, x: Any) -> Any:
+        """Convert a NumPy array (or the backend's own array) to the backend's array type."""
+
+    def to_numpy(self, x: Any) -> Any:
+        """Convert a backend array to NumPy."""
+
+    def all_finite(self, x: Any) -> bool:
+        """True when no element is NaN or infinite."""
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        """``x`` in the floating dtype named ``dtype`` (e.g. "float16", "bfloat16"), where it exists."""
+
+    # Optional: ``concat(xs, axis)`` joins backend arrays (else the core joins through NumPy,
+    # :func:`kvq_core.layout.concat_tokens`); ``device_of(x)`` names the device of an input
+    # (None for host arrays) so the registry can ask ``supports(spec, device)`` per call.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,10 +118,10 @@ class KernelContext:
     """What a kernel call needs besides the data: the spec, the layer, the K/V block shape
     ``(batch, kv_heads, tokens, head_dim)`` and the spec's constants (NumPy, read-only)."""
 
-    spec: MethodSpec
+    spec: "MethodSpec"
     layer: int
     shape: tuple[int, int, int, int]
-    consts: dict[str, np.ndarray]
+    consts: Mapping[str, np.ndarray]
 
 
 class MethodKernels(Protocol):
@@ -44,3 +143,6 @@ class MethodKernels(Protocol):
     def attend(
         self, q: Any, kfields: dict[str, Any], vfields: dict[str, Any], ctx: KernelContext, scale: float
     ) -> tuple[Any, Any]: ...
+
+
+__all__ = ["ArrayAdapter", "BackendInfo", "Deferred", "KernelContext", "MethodInfo", "MethodKernels", "Supports", "resolve"]

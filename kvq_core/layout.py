@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -104,6 +104,17 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+_spec_resolver: "Callable[[Mapping[str, Any]], MethodSpec] | None" = None
+
+
+def set_spec_resolver(fn: "Callable[[Mapping[str, Any]], MethodSpec]") -> None:
+    """Install the function that turns a spec dict into a spec (the registry's ``spec_from_dict``).
+
+    Injected from above so this module needs nothing but the errors: layers point one way."""
+    global _spec_resolver
+    _spec_resolver = fn
+
+
 @dataclasses.dataclass
 class PackedKV:
     """A packed key or value block: the spec, what it holds, and its fields (backend arrays).
@@ -165,9 +176,14 @@ class PackedKV:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PackedKV":
-        """Rebuild (with NumPy fields) from :meth:`to_dict` output, validating against the layout."""
-        from kvq_core.registry import spec_from_dict
+        """Rebuild (with NumPy fields) from :meth:`to_dict` output, validating against the layout.
 
+        The spec dict is resolved by the registry (which installs itself with
+        :func:`set_spec_resolver` when ``kvq_core`` is imported), so plugin methods round-trip too.
+        """
+        if _spec_resolver is None:
+            raise LayoutError("no spec resolver installed; import kvq_core first")
+        spec_from_dict = _spec_resolver
         try:
             kind = data["kind"]
             if kind not in ("keys", "values"):

@@ -1,9 +1,22 @@
-"""The plugin registry: a pluggy PluginManager that collects methods and backends.
+"""The plugin registry: a pluggy PluginManager that collects methods, backends and kernels.
 
-Built-in plugins (``DEFAULT_PLUGINS``) register through the same hooks as third-party ones,
-which load from the ``kvq.plugins`` entry-point group unless ``KVQ_DISABLE_PLUGINS=1``.
-A plugin that fails to import, or implements a misspelt hook, is recorded as unavailable with
-its error; it never breaks ``import kvq_core``.
+Every plugin, built-in or third-party, is a module named in the ``kvq.plugins`` entry-point
+group. kvq's own entries (``pyproject.toml``: the method catalogue, numpy, torch) are the
+built-ins, always loaded (:func:`builtin_plugins` says where they are read from); other
+distributions' entries load unless ``KVQ_DISABLE_PLUGINS=1``. Hooks run in two passes: every
+plugin's methods and backends, then every plugin's kernels for backends registered by others
+(``kvq_register_kernels``), so a plugin may add kernels to any backend whatever the load order.
+
+A failure stays where it happens:
+
+- a plugin that fails to import, implements a misspelt hook, or raises in a hook (a duplicate
+  name, say) is recorded as unavailable with its error, and *none* of its registrations are
+  kept (a hook's registrations count only when the hook finishes);
+- a method's spec class and each entry of a backend's kernel table may be lazy
+  ``"module:Attr"`` references, resolved separately on first use: a failing import makes only
+  that method, or that backend's kernels for it, unavailable, with the reason.
+
+Nothing here ever breaks ``import kvq_core``.
 """
 from __future__ import annotations
 
@@ -14,95 +27,102 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any
 
 import pluggy
 
 from kvq_core import hookspecs
 from kvq_core.errors import (
     BackendUnavailableError,
-    KVQError,
+    MethodUnavailableError,
     PluginError,
     SpecError,
     UnknownBackendError,
     UnknownMethodError,
 )
+from kvq_core.kernels import ArrayAdapter, BackendInfo, MethodInfo, resolve
+from kvq_core.layout import set_spec_resolver
 from kvq_core.spec import MethodSpec
 
-# (plugin name, module) of the built-ins; backends whose imports fail are listed unavailable.
-DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("kvq-methods", "kvq_core.methods"),
-    ("numpy", "kvq_numpy.plugin"),
-    ("torch", "kvq_torch.plugin"),
-)
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the built-ins are read from kvq's installed metadata
+    tomllib = None  # type: ignore[assignment]
+
+#: The distribution whose ``kvq.plugins`` entry points are the built-ins.
+KVQ_DIST = "kvq"
 DISABLE_ENV = "KVQ_DISABLE_PLUGINS"
-
-
-class ArrayAdapter(Protocol):
-    """How the core talks to a backend's array type without importing it."""
-
-    def asarray(self, x: Any) -> Any:
-        """Convert a NumPy array (or the backend's own array) to the backend's array type."""
-
-    def to_numpy(self, x: Any) -> Any:
-        """Convert a backend array to NumPy."""
-
-    def all_finite(self, x: Any) -> bool:
-        """True when no element is NaN or infinite."""
-
-    def cast(self, x: Any, dtype: str) -> Any:
-        """``x`` in the floating dtype named ``dtype`` (e.g. "float16", "bfloat16"), where it exists."""
-
-    # Optional: ``concat(xs, axis)`` joins backend arrays; without it the core joins packed
-    # blocks through NumPy (:func:`kvq_core.layout.concat_tokens`).
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodInfo:
-    """A method: its name, spec class and one-line summary."""
-
-    name: str
-    spec_cls: type[MethodSpec]
-    summary: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendInfo:
-    """A backend: a table from method name to kernel class (called with the spec).
-
-    ``is_available`` returns ``(True, None)`` or ``(False, reason)``; it is asked lazily.
-    """
-
-    name: str
-    kernels: Mapping[str, Callable[[MethodSpec], Any]]
-    arrays: ArrayAdapter
-    is_available: Callable[[], tuple[bool, str | None]] = lambda: (True, None)
-    summary: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """What ``list_methods`` / ``list_backends`` / ``list_plugins`` return."""
+    """What ``list_methods`` / ``list_backends`` / ``list_plugins`` return.
+
+    ``detail`` lists the backends of a method, the methods a backend serves, or what a plugin
+    registered (``"method fp8"``, ``"kernels numpy/fp8"``); ``problems`` the parts that failed
+    (``"name: reason"``), e.g. one method's kernels that did not import, or a plugin's kernels
+    for a backend that is not registered here.
+    """
 
     name: str
     available: bool
     reason: str | None
     origin: str
     detail: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class _Lazy:
+    """A lazily resolved reference and the outcome of resolving it (value or reason)."""
+
+    __slots__ = ("ref", "_value", "_error", "_done")
+
+    def __init__(self, ref: Any) -> None:
+        self.ref, self._value, self._error, self._done = ref, None, None, False
+
+    def get(self) -> tuple[Any, str | None]:
+        if not self._done:
+            try:
+                self._value = resolve(self.ref)
+            except Exception as exc:  # any import failure stays with this entry
+                self._error = _why(exc)
+            self._done = True
+        return self._value, self._error
+
+
+@dataclasses.dataclass
+class _Method:
+    info: MethodInfo
+    origin: str
+    spec: _Lazy
+
+
+@dataclasses.dataclass
+class _Backend:
+    info: BackendInfo
+    origin: str
+    kernels: dict[str, _Lazy]
+    #: method -> origin of kernels another plugin added (``kvq_register_kernels``)
+    added: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass
 class _State:
     pm: pluggy.PluginManager
-    methods: dict[str, tuple[MethodInfo, str]]
-    backends: dict[str, tuple[BackendInfo, str]]
+    methods: dict[str, _Method]
+    backends: dict[str, _Backend]
     plugins: list[Record]
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _state: _State | None = None
 
 
@@ -110,60 +130,176 @@ def _origin_of(plugin_name: str, dist: str | None) -> str:
     return f"plugin {plugin_name} ({dist})" if dist else f"built-in {plugin_name}"
 
 
-def _load() -> _State:
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    plugins: list[Record] = []
-    pm.register(sys.modules[__name__], name="kvq-core")
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
+    return ep.dist.name if ep.dist is not None else None
+
+
+def builtin_plugins() -> tuple[tuple[tuple[str, str], ...], str]:
+    """kvq's own ``kvq.plugins`` entry points as ``(name, "module")`` pairs, and where they were read.
+
+    The table of the kvq being imported: the ``pyproject.toml`` of the source checkout that
+    ``kvq_core`` sits in (a PYTHONPATH run, or an editable install whose metadata may predate the
+    table), else the installed distribution's metadata (a wheel). Adding a backend is one line
+    in that table; no core file changes."""
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if tomllib is not None and pyproject.is_file():
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+        if project.get("name") == KVQ_DIST:
+            table = project.get("entry-points", {}).get(hookspecs.ENTRY_POINT_GROUP, {})
+            return tuple((str(k), str(v)) for k, v in table.items()), str(pyproject)
+    eps = importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
+    return tuple((ep.name, ep.value) for ep in eps if _dist_name(ep) == KVQ_DIST), f"the installed {KVQ_DIST} metadata"
+
+
+def _import_ref(ref: str) -> Any:
+    """An entry point's object: a module (``"pkg.mod"``) or an attribute (``"pkg.mod:obj"``)."""
+    return resolve(ref) if ":" in ref else importlib.import_module(ref)
+
+
+def _load_plugins(pm: pluggy.PluginManager) -> dict[str, Record]:
+    """Register the built-ins, then (unless disabled) every other ``kvq.plugins`` entry point;
+    one record per plugin, loaded or failed with the reason."""
+    plugins: dict[str, Record] = {}
 
     def try_register(name: str, load: Callable[[], Any], origin: str) -> None:
+        if name in plugins:  # two distributions chose one entry-point name: keep both records
+            name = f"{name} [{origin}]"
         try:
-            module = load()
-            pm.register(module, name=name)
+            pm.register(load(), name=name)
         except Exception as exc:  # any import/validation failure leaves the plugin unavailable
-            plugins.append(Record(name, False, f"{type(exc).__name__}: {exc}", origin))
+            plugins[name] = Record(name, False, _why(exc), origin)
             return
         try:
             pm.check_pending()
         except pluggy.PluginValidationError as exc:
             pm.unregister(name=name)
-            plugins.append(Record(name, False, f"PluginValidationError: {exc}", origin))
+            plugins[name] = Record(name, False, _why(exc), origin)
             return
-        plugins.append(Record(name, True, None, origin))
+        plugins[name] = Record(name, True, None, origin)
 
-    for name, module in DEFAULT_PLUGINS:
-        try_register(name, lambda m=module: importlib.import_module(m), _origin_of(name, None))
+    table, source = builtin_plugins()
+    if not table:
+        plugins[KVQ_DIST] = Record(KVQ_DIST, False, f"no built-in plugins: {source} has no [project.entry-points."
+                                   f"\"{hookspecs.ENTRY_POINT_GROUP}\"] table; reinstall kvq (pip install -e .)",
+                                   f"built-in ({source})")
+    for name, ref in table:
+        try_register(name, lambda r=ref: _import_ref(r), _origin_of(name, None))
     if os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes"):
         for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+            if _dist_name(ep) == KVQ_DIST:
+                continue  # the built-ins, loaded above
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
             try_register(ep.name, ep.load, _origin_of(ep.name, dist))
+    return plugins
 
-    methods: dict[str, tuple[MethodInfo, str]] = {}
-    backends: dict[str, tuple[BackendInfo, str]] = {}
+
+@dataclasses.dataclass
+class _Collected:
+    """What the hooks registered: methods, backends, and per plugin what it added (its record's detail)."""
+
+    plugins: dict[str, Record]
+    methods: dict[str, _Method] = dataclasses.field(default_factory=dict)
+    backends: dict[str, _Backend] = dataclasses.field(default_factory=dict)
+    registered: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def origin(self, plugin_name: str) -> str:
+        record = self.plugins.get(plugin_name)
+        return record.origin if record else "built-in kvq-core"
+
+    def fail(self, plugin_name: str, exc: Exception) -> None:
+        """The plugin failed: record why and take back everything it registered."""
+        for item in self.registered.pop(plugin_name, []):
+            kind, _, name = item.partition(" ")
+            if kind in ("method", "backend"):
+                (self.methods if kind == "method" else self.backends).pop(name, None)
+        self.plugins[plugin_name] = Record(plugin_name, False, _why(exc), self.origin(plugin_name))
+
+
+def _collect_methods_and_backends(pm: pluggy.PluginManager, got: _Collected) -> None:
+    """Pass 1: each plugin's methods and backends, kept only when all its hooks finish."""
     for plugin_name, plugin in pm.list_name_plugin():
-        origin = next((r.origin for r in plugins if r.name == plugin_name), "built-in kvq-core")
-        for hook, table, kind in (
-            (plugin and getattr(plugin, "kvq_register_methods", None), methods, MethodInfo),
-            (plugin and getattr(plugin, "kvq_register_backends", None), backends, BackendInfo),
-        ):
-            if hook is None:
-                continue
+        origin = got.origin(plugin_name)
+        pending: dict[type, dict[str, Any]] = {MethodInfo: {}, BackendInfo: {}}
 
-            def register(info: Any, table: dict = table, kind: type = kind, origin: str = origin) -> None:
-                if not isinstance(info, kind):
-                    raise PluginError(f"{origin} registered {info!r}; expected a {kind.__name__}")
-                if info.name in table:
-                    raise PluginError(f"{origin} registers {kind.__name__} {info.name!r}, already from {table[info.name][1]}")
-                table[info.name] = (info, origin)
+        def register(info: Any, kind: type, table: dict, origin: str = origin, pending: dict = pending) -> None:
+            if not isinstance(info, kind):
+                raise PluginError(f"{origin} registered {info!r}; expected a {kind.__name__}")
+            taken = table.get(info.name) or pending[kind].get(info.name)
+            if taken is not None:
+                raise PluginError(f"{origin} registers {kind.__name__} {info.name!r}, already from {taken.origin}")
+            if kind is MethodInfo:
+                pending[kind][info.name] = _Method(info, origin, _Lazy(info.spec_cls))
+            else:
+                pending[kind][info.name] = _Backend(info, origin, {m: _Lazy(f) for m, f in info.kernels.items()})
 
-            try:
-                hook(register=register)
-            except Exception as exc:
-                plugins[:] = [
-                    Record(r.name, False, f"{type(exc).__name__}: {exc}", r.origin) if r.name == plugin_name else r
-                    for r in plugins
-                ]
-    return _State(pm, methods, backends, plugins)
+        try:
+            if hasattr(plugin, "kvq_register_methods"):
+                plugin.kvq_register_methods(register=lambda i: register(i, MethodInfo, got.methods))
+            if hasattr(plugin, "kvq_register_backends"):
+                plugin.kvq_register_backends(register=lambda i: register(i, BackendInfo, got.backends))
+        except Exception as exc:
+            got.fail(plugin_name, exc)
+            continue
+        got.methods.update(pending[MethodInfo])
+        got.backends.update(pending[BackendInfo])
+        got.registered[plugin_name] = ([f"method {m}" for m in pending[MethodInfo]]
+                                       + [f"backend {b}" for b in pending[BackendInfo]])
+
+
+def _collect_kernels(pm: pluggy.PluginManager, got: _Collected) -> None:
+    """Pass 2: each plugin's kernels for backends any plugin registered (``kvq_register_kernels``),
+    adapted by the backend's ``kernel_entry``; all or nothing per plugin, its pass-1 work included."""
+    for plugin_name, plugin in pm.list_name_plugin():
+        if plugin_name not in got.registered or not hasattr(plugin, "kvq_register_kernels"):
+            continue
+        origin = got.origin(plugin_name)
+        added: dict[tuple[str, str], Any] = {}
+        skipped: list[str] = []
+
+        def register(backend: str, method: str, factory: Any, origin: str = origin,
+                     added: dict = added, skipped: list = skipped) -> None:
+            if not (isinstance(backend, str) and isinstance(method, str)):
+                raise PluginError(f"{origin} registered kernels for ({backend!r}, {method!r}); expected two names")
+            if backend not in got.backends:
+                skipped.append(f"kernels {backend}/{method}: backend {backend!r} is not registered here")
+                return
+            entry = got.backends[backend]
+            if method in entry.kernels:
+                owner = entry.added.get(method, entry.origin)
+                raise PluginError(f"{origin} registers kernels for {method!r} on backend {backend!r}, already from {owner}")
+            if (backend, method) in added:
+                raise PluginError(f"{origin} registers kernels for {method!r} on backend {backend!r} twice")
+            added[(backend, method)] = factory
+
+        try:
+            plugin.kvq_register_kernels(register=register)
+            for (backend, method), factory in added.items():  # the backend's adapter, once the hook finished
+                make = got.backends[backend].info.kernel_entry
+                added[(backend, method)] = make(method, factory) if make is not None else factory
+        except Exception as exc:
+            got.fail(plugin_name, exc)
+            continue
+        for (backend, method), entry in added.items():
+            target = got.backends[backend]
+            target.kernels[method] = _Lazy(entry)
+            target.added[method] = origin
+            target.info = dataclasses.replace(target.info, kernels={**target.info.kernels, method: entry})
+            got.registered[plugin_name].append(f"kernels {backend}/{method}")
+        if skipped:
+            got.plugins[plugin_name] = dataclasses.replace(got.plugins[plugin_name], problems=tuple(skipped))
+
+
+def _load() -> _State:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(sys.modules[__name__], name="kvq-core")
+    got = _Collected(_load_plugins(pm))
+    _collect_methods_and_backends(pm, got)
+    _collect_kernels(pm, got)
+    for plugin_name, items in got.registered.items():
+        if plugin_name in got.plugins:
+            got.plugins[plugin_name] = dataclasses.replace(got.plugins[plugin_name], detail=tuple(items))
+    return _State(pm, got.methods, got.backends, list(got.plugins.values()))
 
 
 def state() -> _State:
@@ -182,34 +318,38 @@ def reload() -> None:
         _state = None
 
 
-def method_info(name: str) -> MethodInfo:
+# ------------------------------------------------------------------------------------------------
+# methods
+# ------------------------------------------------------------------------------------------------
+def _method(name: str) -> _Method:
     try:
-        return state().methods[name][0]
+        return state().methods[name]
     except KeyError:
-        raise UnknownMethodError(f"unknown method {name!r}; registered: {', '.join(sorted(state().methods))}") from None
-
-
-def backend_info(name: str) -> BackendInfo:
-    try:
-        return state().backends[name][0]
-    except KeyError:
-        known = sorted(state().backends)
         failed = [f"{r.name} ({r.reason})" for r in state().plugins if not r.available]
         extra = f"; plugins that failed to load: {'; '.join(failed)}" if failed else ""
-        raise UnknownBackendError(f"unknown backend {name!r}; registered: {', '.join(known)}{extra}") from None
+        raise UnknownMethodError(f"unknown method {name!r}; registered: {', '.join(sorted(state().methods))}{extra}") from None
 
 
-def backend_status(name: str) -> tuple[bool, str | None]:
-    info = backend_info(name)
-    try:
-        return info.is_available()
-    except Exception as exc:
-        return False, f"{type(exc).__name__}: {exc}"
+def method_status(name: str) -> tuple[bool, str | None]:
+    """``(True, None)`` when the method's spec class imports, else ``(False, reason)``."""
+    spec_cls, error = _method(name).spec.get()
+    return (False, error) if error else (True, None)
+
+
+def method_info(name: str) -> MethodInfo:
+    """The method's record with its spec class resolved; raises MethodUnavailableError with the reason."""
+    entry = _method(name)
+    spec_cls, error = entry.spec.get()
+    if error:
+        raise MethodUnavailableError(f"{name} is unavailable: {error}")
+    if not (isinstance(spec_cls, type) and issubclass(spec_cls, MethodSpec)):
+        raise MethodUnavailableError(f"{name} is unavailable: {entry.info.spec_cls!r} is not a MethodSpec subclass")
+    return dataclasses.replace(entry.info, spec_cls=spec_cls)
 
 
 def make_spec(method: str, **params: Any) -> MethodSpec:
     """The validated spec of ``method`` with ``params`` (unknown ones raise SpecError)."""
-    return method_info(method).spec_cls.from_params(params)
+    return method_info(method).spec_cls.from_params(params)  # type: ignore[union-attr]
 
 
 def spec_from_dict(data: Mapping[str, Any]) -> MethodSpec:
@@ -220,42 +360,138 @@ def spec_from_dict(data: Mapping[str, Any]) -> MethodSpec:
     return make_spec(str(data["method"]), **params)
 
 
-def select_backend(method: str, device: str | None = None) -> str:
-    """Resolve ``backend="auto"`` through the firstresult hook ``kvq_select_backend``."""
-    candidates = [n for n, (info, _) in state().backends.items() if method in info.kernels and backend_status(n)[0]]
+set_spec_resolver(spec_from_dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# backends
+# ------------------------------------------------------------------------------------------------
+def _backend(name: str) -> _Backend:
+    try:
+        return state().backends[name]
+    except KeyError:
+        known = sorted(state().backends)
+        failed = [f"{r.name} ({r.reason})" for r in state().plugins if not r.available]
+        extra = f"; plugins that failed to load: {'; '.join(failed)}" if failed else ""
+        raise UnknownBackendError(f"unknown backend {name!r}; registered: {', '.join(known)}{extra}") from None
+
+
+def backend_info(name: str) -> BackendInfo:
+    """The backend as registered; its ``kernels`` include those other plugins added."""
+    return _backend(name).info
+
+
+def backend_status(name: str) -> tuple[bool, str | None]:
+    """Whether the backend as a whole can run here (its ``is_available``)."""
+    info = _backend(name).info
+    try:
+        return info.is_available()
+    except Exception as exc:
+        return False, _why(exc)
+
+
+def kernel_factory(backend: str, method: str) -> Callable[[MethodSpec], Any]:
+    """The backend's kernel factory for ``method``; raises BackendUnavailableError naming why not."""
+    entry = _backend(backend)
+    lazy = entry.kernels.get(method)
+    if lazy is None:
+        raise BackendUnavailableError(
+            f"backend {backend!r} has no kernels for method {method!r}; it implements {sorted(entry.kernels)}")
+    factory, error = lazy.get()
+    if error:
+        raise BackendUnavailableError(f"backend {backend!r} cannot serve {method!r}: its kernels failed to load: {error}")
+    return factory
+
+
+def serves(backend: str, method: str) -> tuple[bool, str | None]:
+    """Whether ``backend`` is available and its kernels for ``method`` load."""
+    ok, reason = backend_status(backend)
+    if not ok:
+        return False, f"backend {backend!r} is unavailable here: {reason}"
+    try:
+        kernel_factory(backend, method)
+    except BackendUnavailableError as exc:
+        return False, str(exc)
+    return True, None
+
+
+def supports(backend: str, spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
+    """Whether ``backend`` can serve ``spec`` on ``device`` (None: NumPy arrays; "cuda:0" is asked
+    as "cuda"), with the reason if not."""
+    ok, reason = serves(backend, spec.method)
+    if not ok:
+        return ok, reason
+    check = _backend(backend).info.supports
+    if check is None:
+        return True, None
+    device = device.split(":")[0] if device else None  # backends see a device type: "cpu", "cuda"
+    try:
+        ok, reason = check(spec, device)
+    except Exception as exc:
+        return False, f"backend {backend!r}: supports() raised {_why(exc)}"
+    return (True, None) if ok else (False, f"backend {backend!r} cannot serve {spec.describe()} on "
+                                           f"{device or 'NumPy arrays'}: {reason}")
+
+
+def select_backend(spec: MethodSpec | str, device: str | None = None) -> str:
+    """Resolve ``backend="auto"`` through the firstresult hook ``kvq_select_backend``.
+
+    Candidates are the backends that can serve the spec on ``device``; ``spec`` may be a method
+    name (then only availability and kernels are checked)."""
+    method = spec if isinstance(spec, str) else spec.method
+    why: list[str] = []
+    candidates = []
+    for name in state().backends:
+        if method not in state().backends[name].kernels:
+            continue
+        ok, reason = serves(name, method) if isinstance(spec, str) else supports(name, spec, device)
+        if ok:
+            candidates.append(name)
+        else:
+            why.append(str(reason))
     if not candidates:
-        raise BackendUnavailableError(f"no available backend implements method {method!r}")
+        ok, reason = method_status(method)
+        detail = reason if not ok else ("; ".join(why) or "no backend implements it")
+        raise BackendUnavailableError(f"no available backend serves method {method!r}: {detail}")
     chosen = state().pm.hook.kvq_select_backend(method=method, device=device, candidates=candidates)
     if chosen not in candidates:
         raise BackendUnavailableError(f"backend selection returned {chosen!r}; candidates were {candidates}")
     return chosen
 
 
+# ------------------------------------------------------------------------------------------------
+# listings
+# ------------------------------------------------------------------------------------------------
 def list_methods() -> list[Record]:
-    """One record per method; available when some available backend implements it."""
+    """One record per method; available when its spec imports and some available backend serves it."""
     out = []
-    for name, (info, origin) in sorted(state().methods.items()):
-        backends = tuple(b for b, (bi, _) in sorted(state().backends.items()) if name in bi.kernels)
-        usable = [b for b in backends if backend_status(b)[0]]
-        reason = None if usable else "no available backend implements it"
-        out.append(Record(name, bool(usable), reason, origin, backends))
+    for name, entry in sorted(state().methods.items()):
+        backends = tuple(b for b, e in sorted(state().backends.items()) if name in e.kernels)
+        ok, reason = method_status(name)
+        if ok:
+            usable = [b for b in backends if serves(b, name)[0]]
+            ok, reason = (True, None) if usable else (False, "no available backend serves it")
+        out.append(Record(name, ok, reason, entry.origin, backends))
     return out
 
 
 def list_backends() -> list[Record]:
-    """One record per backend, plus one per plugin that failed to load (unavailable, with why)."""
+    """One record per backend: available or why not, the methods it serves, and the ones whose
+    kernels failed to load. Plugins that failed before registering anything are in
+    :func:`list_plugins`."""
     out = []
-    for name, (info, origin) in sorted(state().backends.items()):
+    for name, entry in sorted(state().backends.items()):
         ok, reason = backend_status(name)
-        out.append(Record(name, ok, reason, origin, tuple(sorted(info.kernels))))
-    registered = {r.origin for r in out}
-    for rec in state().plugins:
-        if not rec.available and rec.origin not in registered:
-            out.append(rec)
+        served, problems = [], []
+        for method, lazy in sorted(entry.kernels.items()):
+            _, error = lazy.get() if ok else (None, None)
+            (problems.append(f"{method}: {error}") if error else served.append(method))
+        out.append(Record(name, ok, reason, entry.origin, tuple(served), tuple(problems)))
     return out
 
 
 def list_plugins() -> list[Record]:
+    """One record per plugin (built-in or third-party): loaded, or why not."""
     return list(state().plugins)
 
 
@@ -266,6 +502,7 @@ def kvq_select_backend(method: str, device: str | None, candidates: list[str]) -
 
 
 __all__ = [
-    "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "KVQError", "DEFAULT_PLUGINS",
-    "list_methods", "list_backends", "list_plugins", "make_spec", "spec_from_dict", "select_backend",
+    "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "backend_info", "backend_status", "builtin_plugins",
+    "kernel_factory", "list_backends", "list_methods", "list_plugins", "make_spec", "method_info", "method_status",
+    "select_backend", "serves", "spec_from_dict", "supports",
 ]

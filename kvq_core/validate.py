@@ -7,7 +7,7 @@ import numpy as np
 
 from kvq_core.errors import InputError, LayoutError
 from kvq_core.layout import PackedKV
-from kvq_core.registry import ArrayAdapter
+from kvq_core.kernels import ArrayAdapter
 from kvq_core.spec import MethodSpec
 
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")

@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import kvq_core  # noqa: E402
 from kvq_core.synthetic import make_kv, make_queries  # noqa: E402
-from kvq_torch import ops  # noqa: E402
-from kvq_torch.arrays import TorchArrays  # noqa: E402
+from kvq_core.dispatch import ops  # noqa: E402
+from kvq_core.dispatch.arrays import TorchArrays  # noqa: E402
 
 OPCHECK_METHODS = ["fp16", "oscar", "kivi", "quarot"]
 
@@ -34,7 +34,7 @@ def test_ops_are_in_one_namespace() -> None:
         assert hasattr(torch.ops.kvq, name)
     assert set(ops.OPS) == {"encode", "decode", "attend", "materialize"}
     torch.library.opcheck(torch.ops.kvq.materialize.default, (torch.randn(3, 4).t(),))
-    assert str(torch.ops.kvq.encode.default._schema).startswith("kvq::encode(str spec_json, int layer, str kind, Tensor x)")
+    assert str(torch.ops.kvq.encode.default._schema).startswith("kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x)")
 
 
 @pytest.mark.parametrize("method", OPCHECK_METHODS)
@@ -43,13 +43,13 @@ def test_opcheck(method: str) -> None:
     sj = spec.to_json()
     k, v = _kv(37)
     shape = list(k.shape)
-    kf = torch.ops.kvq.encode(sj, 0, "keys", k)
-    vf = torch.ops.kvq.encode(sj, 0, "values", v)
-    torch.library.opcheck(torch.ops.kvq.encode.default, (sj, 0, "keys", k))
-    torch.library.opcheck(torch.ops.kvq.encode.default, (sj, 0, "values", v.to(torch.float16)))
-    torch.library.opcheck(torch.ops.kvq.decode.default, (sj, 0, "keys", kf, shape))
-    torch.library.opcheck(torch.ops.kvq.decode.default, (sj, 0, "values", vf, shape))
-    torch.library.opcheck(torch.ops.kvq.attend.default, (sj, 0, _q(), kf, vf, shape, 0.125))
+    kf = torch.ops.kvq.encode("torch", sj, 0, "keys", k)
+    vf = torch.ops.kvq.encode("torch", sj, 0, "values", v)
+    torch.library.opcheck(torch.ops.kvq.encode.default, ("torch", sj, 0, "keys", k))
+    torch.library.opcheck(torch.ops.kvq.encode.default, ("torch", sj, 0, "values", v.to(torch.float16)))
+    torch.library.opcheck(torch.ops.kvq.decode.default, ("torch", sj, 0, "keys", kf, shape))
+    torch.library.opcheck(torch.ops.kvq.decode.default, ("torch", sj, 0, "values", vf, shape))
+    torch.library.opcheck(torch.ops.kvq.attend.default, ("torch", sj, 0, _q(), kf, vf, shape, 0.125))
 
 
 def test_fake_kernels_follow_the_layout() -> None:
@@ -59,7 +59,7 @@ def test_fake_kernels_follow_the_layout() -> None:
         spec = kvq_core.make_spec(method, head_dim=64)
         with FakeTensorMode():
             x = torch.empty(2, 3, 45, 64)
-            outs = torch.ops.kvq.encode(spec.to_json(), 0, "keys", x)
+            outs = torch.ops.kvq.encode("torch", spec.to_json(), 0, "keys", x)
         layout = spec.key_layout(2, 3, 45)
         assert [(tuple(t.shape), str(t.dtype)) for t in outs] == [
             (f.shape, f"torch.{f.dtype}") for f in layout.values()]

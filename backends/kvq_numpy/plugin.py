@@ -1,30 +1,26 @@
-"""Registers the NumPy reference backend through kvq's hooks, like any third-party plugin."""
+"""Registers the NumPy reference backend through kvq's hooks, like any third-party plugin.
+
+Kernel classes are lazy ``"module:Attr"`` references: one that fails to import makes only that
+method unavailable on this backend.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from kvq_core.hookspecs import hookimpl
-from kvq_core.registry import BackendInfo
+from kvq_core.kernels import BackendInfo
 from kvq_numpy.arrays import NumpyArrays
-from kvq_numpy.fp16 import Fp16Kernels
-from kvq_numpy.kivi import KiviKernels
-from kvq_numpy.octopus import OctopusKernels
-from kvq_numpy.oscar import OscarKernels
-from kvq_numpy.polarquant import PolarQuantKernels
-from kvq_numpy.qjl import QJLKernels
-from kvq_numpy.quarot import QuaRotKernels
-from kvq_numpy.turboquant import TurboQuantKernels, TurboQuantProdKernels
 
 KERNELS = {
-    "fp16": Fp16Kernels,
-    "kivi": KiviKernels,
-    "octopus": OctopusKernels,
-    "oscar": OscarKernels,
-    "polarquant": PolarQuantKernels,
-    "qjl": QJLKernels,
-    "quarot": QuaRotKernels,
-    "turboquant": TurboQuantKernels,
-    "turboquant_prod": TurboQuantProdKernels,
+    "fp16": "kvq_numpy.fp16:Fp16Kernels",
+    "kivi": "kvq_numpy.kivi:KiviKernels",
+    "octopus": "kvq_numpy.octopus:OctopusKernels",
+    "oscar": "kvq_numpy.oscar:OscarKernels",
+    "polarquant": "kvq_numpy.polarquant:PolarQuantKernels",
+    "qjl": "kvq_numpy.qjl:QJLKernels",
+    "quarot": "kvq_numpy.quarot:QuaRotKernels",
+    "turboquant": "kvq_numpy.turboquant:TurboQuantKernels",
+    "turboquant_prod": "kvq_numpy.turboquant:TurboQuantProdKernels",
 }
 
 

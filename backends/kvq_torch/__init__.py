@@ -1,17 +1,16 @@
-"""kvq's PyTorch backends: ``"torch"`` (eager, ``kvq::`` custom ops) and ``"torch-compiled"``
-(the same kernels compiled by inductor). Both registered by :mod:`kvq_torch.plugin`.
+"""kvq's PyTorch backends: ``"torch"`` (eager) and ``"torch-compiled"`` (the same kernels compiled
+by inductor), both served through the ``kvq::`` ops of :mod:`kvq_core.dispatch` and registered by
+:mod:`kvq_torch.plugin`.
 
-Layout of this package (the bitsandbytes shape: schemas + fakes in one file, a pure-PyTorch
-default implementation, device kernels registered on the same ops):
+Layout of this package:
 
-- :mod:`kvq_torch.ops` - every ``kvq::`` op schema and fake kernel (``kvq::encode``,
-  ``kvq::decode``, ``kvq::attend``), generic over methods through the spec's JSON string;
-- :mod:`kvq_torch.common` - shared helpers mirroring the NumPy reference (bit packing,
-  FWHT, the asymmetric group quantizer, codebook lookup, softmax attention with GQA) and the
+- :mod:`kvq_torch.common` - shared helpers mirroring the NumPy reference (bit packing, FWHT, the
+  asymmetric group quantizer, codebook lookup, softmax attention with GQA) and the
   :class:`~kvq_torch.common.TorchMethod` base class;
 - ``kvq_torch/<method>.py`` - one :class:`TorchMethod` subclass per method;
-- :mod:`kvq_torch.plugin` - the ``KERNELS`` table and the backend registration;
-- :mod:`kvq_torch.arrays` - the array adapter (NumPy in, tensors kept on their device).
+- :mod:`kvq_torch.compiled` - the inductor wrapper behind ``"torch-compiled"``;
+- :mod:`kvq_torch.plugin` - the ``KERNELS`` table (lazy ``"module:Class"`` references) and the
+  registration: table entries for both backends (``kvq_core.dispatch.calls.op_backend``).
 
 Adding a method (e.g. ``octopus``):
 
@@ -23,22 +22,19 @@ Adding a method (e.g. ``octopus``):
    constants arrive as tensors in ``ctx.consts`` (same names as the core's ``spec.constants``).
    No NumPy, no ``.item()``/Python branches on tensor values, return fresh tensors with the
    layout's exact dtypes and shapes.
-2. ``kvq_torch/plugin.py``: add ``"octopus": OctopusTorch`` to ``KERNELS``.
+2. ``kvq_torch/plugin.py``: add ``"octopus": "kvq_torch.octopus:OctopusTorch"`` to ``KERNELS``.
 
 Nothing else: the ops, fakes, the compiled backend and the conformance suite
 (``kvq_core.testing.check_method("torch", "octopus")``) pick it up from the table.
 
 Design notes:
 
-- **Op schemas** (:mod:`kvq_torch.ops`): three generic ops, the method named by the spec's JSON
-  string; the fake kernels derive output shapes from ``spec.key_layout``/``value_layout``, so a
-  symbolic token count flows through. Constants are *not* op arguments: the implementation
-  fetches them (cached per device) from the core with :func:`kvq_torch.common.consts_for`,
-  which keeps NumPy out of traced code and constant tensors out of exported graphs.
-- **Backends**: ``"torch"`` calls the ops (opaque nodes under a user's ``torch.compile`` /
-  ``torch.export``); ``"torch-compiled"`` compiles the same kernel methods with inductor
-  (``fullgraph=True``; only token dims dynamic, batch/heads/head_dim/spec static; inputs cast
-  to float32 first; one graph per spec, kernel, batch and kv_heads). Its codes are
+- **Constants** are not op arguments: they are a pure function of (spec, layer, kv_heads), all
+  of which the op receives; the op body fetches them (cached per device) with
+  :func:`kvq_core.dispatch.torch_kernels.consts_for`, which keeps NumPy out of traced code and
+  constant tensors out of exported graphs.
+- **torch-compiled**: only token dims dynamic, batch/heads/head_dim/spec static; inputs cast
+  to float32 first; one graph per spec, kernel, batch and kv_heads. Its codes are
   bit-identical to ``"torch"`` (tests/test_torch_ops.py), because float32 decisions use
   order-fixed arithmetic (:func:`~kvq_torch.common.tree_sum`, :func:`~kvq_torch.common.sqrt32`;
   eager CPU ``torch.sqrt`` is not correctly rounded, inductor's is).

@@ -8,8 +8,9 @@ differs (then only at genuine rounding ties, see :mod:`kvq_core.testing`).
 
 Contents:
 
-- :class:`TorchContext`, :class:`TorchMethod`: what a method's torch kernels receive and subclass;
-- :func:`consts_for`: the core's constants as tensors on a device, cached;
+- :class:`TorchMethod`: the base of a method's torch kernels (what they receive, the
+  :class:`~kvq_core.dispatch.torch_kernels.TorchContext`, and the per-device constant cache live
+  in :mod:`kvq_core.dispatch`);
 - :func:`pack_codes` / :func:`unpack_codes`: the bit rule of :mod:`kvq_core.layout`;
 - :func:`fwht`: the butterfly of :func:`kvq_core.math.hadamard.fwht`, stage for stage;
 - :func:`hadamard_rotate`: the same rotation as one matmul (compile-friendly);
@@ -23,120 +24,33 @@ Contents:
 """
 from __future__ import annotations
 
-import json
 import math
-import threading
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from kvq_core.dispatch.torch_kernels import Consts, Fields, TorchContext
+from kvq_core.dispatch.torch_kernels import TorchMethod as BaseTorchMethod
 from kvq_core.math.hadamard import hadamard_block
-from kvq_core.spec import MethodSpec
-
-Fields = dict[str, torch.Tensor]
-Consts = Mapping[str, torch.Tensor]
 
 
 # --------------------------------------------------------------------------------------------
-# contexts, method base class, constants
+# method base class
 # --------------------------------------------------------------------------------------------
-class TorchContext(NamedTuple):
-    """The torch twin of :class:`kvq_core.kernels.KernelContext`: the spec, the layer, the K/V
-    block shape ``(batch, kv_heads, tokens, head_dim)`` (ints or SymInts) and the spec's
-    constants as tensors on the data's device (float32 where the core gives float32)."""
+class TorchMethod(BaseTorchMethod):
+    """Base of a method's kernels on the torch backends (one subclass per method, listed in
+    ``plugin.KERNELS``): :class:`kvq_core.dispatch.torch_kernels.TorchMethod` with a default
+    ``attend`` over the decoded K/V (override to score from the codes).
 
-    spec: MethodSpec
-    layer: int
-    shape: tuple[Any, Any, Any, Any]
-    consts: Consts
-
-
-class TorchMethod:
-    """Base of a method's torch kernels (one subclass per method, listed in ``plugin.KERNELS``).
-
-    Subclasses implement the five functions of :class:`kvq_core.kernels.MethodKernels` on torch
-    tensors with a :class:`TorchContext` (tensor constants) in place of the NumPy one:
-
-    - ``encode_keys(k, ctx) -> dict`` of fields (any float dtype in; compute in float32),
-    - ``decode_keys(fields, ctx) -> float32 [b, h, t, d]``,
-    - ``encode_values`` / ``decode_values`` likewise,
-    - ``attend(q, kfields, vfields, ctx, scale) -> (out float32 [b, hq, lq, d], lse float32 [b, hq, lq])``.
-
-    Field dtypes and shapes must be exactly the spec's layout (uint8 code rows packed with
-    :func:`pack_codes`, float16/float32 side fields). Returned tensors must be new (never an
-    input or a view of one): the custom ops forbid aliasing. Read sizes from the tensors or from
-    ``ctx.shape``; never branch on tensor *values* in Python (that breaks compile and export).
+    Pure functions of tensors: no NumPy, no ``.item()``/Python branches on tensor *values* (that
+    breaks compile and export); return fresh tensors with the layout's exact dtypes and shapes.
     """
-
-    def __init__(self, spec: MethodSpec) -> None:
-        self.spec = spec
-
-    def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
-        raise NotImplementedError
-
-    def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
-        raise NotImplementedError
-
-    def encode_values(self, v: torch.Tensor, ctx: TorchContext) -> Fields:
-        return self.encode_keys(v, ctx)
-
-    def decode_values(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
-        return self.decode_keys(fields, ctx)
 
     def attend(
         self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Default: attention over the decoded K/V (override to score from the codes)."""
         return softmax_attend(q.float(), self.decode_keys(kfields, ctx), self.decode_values(vfields, ctx), scale)
-
-
-_spec_cache: dict[str, MethodSpec] = {}
-_consts_cache: dict[tuple[str, int, int, str], dict[str, torch.Tensor]] = {}
-_cache_lock = threading.Lock()
-
-
-def spec_from_json(spec_json: str) -> MethodSpec:
-    """The spec a ``kvq::`` op's ``spec_json`` string names (cached per string)."""
-    spec = _spec_cache.get(spec_json)
-    if spec is None:
-        from kvq_core.registry import spec_from_dict
-
-        spec = spec_from_dict(json.loads(spec_json))
-        _spec_cache[spec_json] = spec
-    return spec
-
-
-def consts_for(spec_json: str, kv_heads: int, layer: int, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The core's constants of (spec, kv_heads, layer) as tensors on ``device``, computed once.
-
-    The arrays come from the core (``kvq_core.api``'s cached ``spec.constants``); kernels hold
-    no constants of their own. Call this outside traced code (the ops and the compiled backend do).
-    """
-    key = (spec_json, int(kv_heads), int(layer), str(torch.device(device)))
-    hit = _consts_cache.get(key)
-    if hit is not None:
-        return hit
-    from kvq_core.api import _constants
-
-    arrays = _constants(spec_from_json(spec_json), int(kv_heads), int(layer))
-    tensors = {name: torch.tensor(arr, device=device) for name, arr in arrays.items()}
-    with _cache_lock:
-        _consts_cache.setdefault(key, tensors)
-    return _consts_cache[key]
-
-
-def clear_caches() -> None:
-    """Forget cached specs and constant tensors (e.g. to free device memory)."""
-    with _cache_lock:
-        _spec_cache.clear()
-        _consts_cache.clear()
-
-
-def field_names(spec: MethodSpec, kind: str) -> tuple[str, ...]:
-    """Field names of ``kind`` ("keys"/"values") in layout order (they do not depend on the shape)."""
-    make = spec.key_layout if kind == "keys" else spec.value_layout
-    return tuple(make(1, 1, 1))
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq_torch.ops import materialize
+from kvq_core.dispatch.ops import materialize
 from kvq_torch.common import (
     Fields,
     TorchContext,

@@ -1,4 +1,4 @@
-"""The torch array adapter the core uses to talk to the torch backends."""
+"""The torch array adapter the core uses to talk to torch-tensor backends."""
 from __future__ import annotations
 
 from typing import Any
@@ -42,6 +42,10 @@ class TorchArrays:
 
     def concat(self, xs: list[Any], axis: int) -> torch.Tensor:
         return torch.cat([self.asarray(x) for x in xs], dim=axis)
+
+    def device_of(self, x: Any) -> str | None:
+        """The tensor's device type ("cpu", "cuda"); None for NumPy input (it becomes a CPU tensor)."""
+        return x.device.type if isinstance(x, torch.Tensor) else None
 
     def cast(self, x: Any, dtype: str) -> Any:
         target = getattr(torch, dtype, None)

@@ -1,0 +1,60 @@
+"""A torch-tensor backend's :class:`~kvq_core.kernels.MethodKernels`: every call is one ``kvq::`` op
+carrying the backend's name, so a user's ``torch.compile(fullgraph=True)`` or ``torch.export``
+over kvq calls keeps each as one opaque graph node."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+import kvq_core.dispatch.ops  # noqa: F401  (defines the kvq:: ops)
+from kvq_core.dispatch.table import register_kernel
+from kvq_core.dispatch.torch_kernels import field_names
+from kvq_core.kernels import Deferred, KernelContext
+from kvq_core.spec import MethodSpec
+
+
+class OpKernels:
+    """The kernels of one method on ``backend``, through the ``kvq::`` ops."""
+
+    def __init__(self, backend: str, spec: MethodSpec) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.spec_json = spec.to_json()  # computed here, outside any traced region
+        self.names = {kind: field_names(spec, kind) for kind in ("keys", "values")}
+
+    def _encode(self, kind: str, x: Any, ctx: KernelContext) -> dict[str, Any]:
+        return dict(zip(self.names[kind], torch.ops.kvq.encode(self.backend, self.spec_json, ctx.layer, kind, x)))
+
+    def _decode(self, kind: str, fields: dict[str, Any], ctx: KernelContext) -> Any:
+        return torch.ops.kvq.decode(self.backend, self.spec_json, ctx.layer, kind,
+                                    [fields[n] for n in self.names[kind]], list(ctx.shape))
+
+    def encode_keys(self, k: Any, ctx: KernelContext) -> dict[str, Any]:
+        return self._encode("keys", k, ctx)
+
+    def decode_keys(self, fields: dict[str, Any], ctx: KernelContext) -> Any:
+        return self._decode("keys", fields, ctx)
+
+    def encode_values(self, v: Any, ctx: KernelContext) -> dict[str, Any]:
+        return self._encode("values", v, ctx)
+
+    def decode_values(self, fields: dict[str, Any], ctx: KernelContext) -> Any:
+        return self._decode("values", fields, ctx)
+
+    def attend(self, q: Any, kfields: dict[str, Any], vfields: dict[str, Any], ctx: KernelContext,
+               scale: float) -> tuple[Any, Any]:
+        kf = [kfields[n] for n in self.names["keys"]]
+        vf = [vfields[n] for n in self.names["values"]]
+        return torch.ops.kvq.attend(self.backend, self.spec_json, ctx.layer, q, kf, vf, list(ctx.shape), float(scale))
+
+
+def op_backend(backend: str, kernels: "dict[str, Any]") -> dict[str, Deferred]:
+    """Add ``kernels`` (method -> kernel class or ``"module:Attr"``) to the table under ``backend``
+    and return the backend's ``BackendInfo.kernels``: per method, an :class:`OpKernels` factory
+    that the registry resolves only once the kernel class imports (so a failing kernel module
+    makes only its method unavailable, with the reason)."""
+    for method, ref in kernels.items():
+        register_kernel(backend, method, ref)
+    return {method: Deferred(ref, lambda _cls: functools.partial(OpKernels, backend)) for method, ref in kernels.items()}

@@ -1,0 +1,106 @@
+"""Every ``kvq::`` op schema and fake kernel, and nothing else.
+
+The schemas carry the backend name, so several torch-tensor backends (torch, torch-compiled,
+triton, numba) coexist on one device; the bodies (:mod:`kvq_core.dispatch.run`) look the kernel
+up in :mod:`kvq_core.dispatch.table`::
+
+    kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor[]
+    kvq::decode(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape) -> Tensor
+    kvq::attend(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields,
+                SymInt[] shape, float scale) -> (Tensor, Tensor)
+    kvq::materialize(Tensor x) -> Tensor       (a layout barrier used inside compiled kernels)
+
+- ``spec_json`` is ``MethodSpec.to_json()``; ``kind`` is ``"keys"`` or ``"values"``; ``x`` is
+  ``[batch, kv_heads, tokens, head_dim]`` in any float dtype; ``shape`` is that block shape.
+- ``encode`` returns the packed fields in layout order with the layout's dtypes and shapes;
+  ``decode`` returns float32 ``shape``; ``attend`` returns ``(out float32 [b, q_heads, q_len, d],
+  lse float32 [b, q_heads, q_len])``.
+- The fakes derive every output shape from the spec's layout, so symbolic token counts flow
+  through (``torch.compile(dynamic=True)``, ``torch.export`` with a ``Dim``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvq_core.dispatch import run
+from kvq_core.dispatch.table import spec_from_json
+
+NAMESPACE = "kvq"
+
+ENCODE_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor[]"
+DECODE_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape) -> Tensor"
+ATTEND_SCHEMA = ("(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields, "
+                 "SymInt[] shape, float scale) -> (Tensor, Tensor)")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _layout(spec_json: str, kind: str, shape: Sequence[Any]) -> dict:
+    torch._check(kind in ("keys", "values"), lambda: f"kvq: kind={kind!r}; expected 'keys' or 'values'")
+    spec = spec_from_json(spec_json)
+    b, h, t = shape[0], shape[1], shape[2]
+    return dict(spec.key_layout(b, h, t) if kind == "keys" else spec.value_layout(b, h, t))
+
+
+def _check_fields(op: str, spec_json: str, kind: str, fields: Sequence[torch.Tensor], shape: Sequence[Any]) -> None:
+    layout = _layout(spec_json, kind, shape)
+    torch._check(len(fields) == len(layout), lambda: f"kvq::{op}: {len(fields)} {kind} fields; the layout has {len(layout)}")
+    for t, (name, f) in zip(fields, layout.items()):
+        torch._check(t.dtype == getattr(torch, f.dtype),
+                     lambda: f"kvq::{op}: {kind} field {name!r} is {t.dtype}; the layout says {f.dtype}")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::encode", mutates_args=(), schema=ENCODE_SCHEMA)
+def encode(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
+    return run.encode(backend, spec_json, layer, kind, x)
+
+
+@encode.register_fake
+def _(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
+    torch._check(x.dim() == 4, lambda: f"kvq::encode: x must be [batch, kv_heads, tokens, head_dim], got {x.dim()}-D")
+    torch._check(x.dtype in FLOAT_DTYPES, lambda: f"kvq::encode: x is {x.dtype}; expected a floating dtype")
+    return [x.new_empty(f.shape, dtype=getattr(torch, f.dtype)) for f in _layout(spec_json, kind, x.shape).values()]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::decode", mutates_args=(), schema=DECODE_SCHEMA)
+def decode(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
+    return run.decode(backend, spec_json, layer, kind, fields, shape)
+
+
+@decode.register_fake
+def _(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
+    _check_fields("decode", spec_json, kind, fields, shape)
+    return fields[0].new_empty(tuple(shape), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attend", mutates_args=(), schema=ATTEND_SCHEMA)
+def attend(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: list[torch.Tensor],
+           vfields: list[torch.Tensor], shape: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return run.attend(backend, spec_json, layer, q, kfields, vfields, shape, scale)
+
+
+@attend.register_fake
+def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: list[torch.Tensor],
+      vfields: list[torch.Tensor], shape: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(q.dim() == 4, lambda: f"kvq::attend: q must be [batch, q_heads, q_len, head_dim], got {q.dim()}-D")
+    _check_fields("attend", spec_json, "keys", kfields, shape)
+    _check_fields("attend", spec_json, "values", vfields, shape)
+    b, hq, lq, d = q.shape
+    return q.new_empty((b, hq, lq, d), dtype=torch.float32), q.new_empty((b, hq, lq), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::materialize", mutates_args=(), schema="(Tensor x) -> Tensor")
+def materialize(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x``, opaque to inductor: inside a compiled kernel ``x`` is stored in
+    exactly this (row-major) layout before its consumers run."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@materialize.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+OPS = {"encode": encode, "decode": decode, "attend": attend, "materialize": materialize}

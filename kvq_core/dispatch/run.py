@@ -1,0 +1,52 @@
+"""The bodies of the ``kvq::`` ops: find the backend's kernel in the table and call it.
+
+Outputs are made contiguous and never alias an input or each other (custom ops may not alias).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvq_core.dispatch.table import kernel, spec_from_json
+from kvq_core.dispatch.torch_kernels import context, field_names
+
+
+def fresh(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``out`` made contiguous, copied when it shares storage with one of ``inputs``."""
+    out = out.contiguous()
+    ptr = out.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == ptr for t in inputs):
+        return out.clone()
+    return out
+
+
+def encode(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
+    impl = kernel(backend, spec_json)
+    ctx = context(spec_json, layer, x.shape, x.device)
+    fields = impl.encode_keys(x, ctx) if kind == "keys" else impl.encode_values(x, ctx)
+    outs: list[torch.Tensor] = []
+    for name in field_names(spec_from_json(spec_json), kind):
+        outs.append(fresh(fields[name], [x, *outs]))
+    return outs
+
+
+def decode(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor],
+           shape: list[int]) -> torch.Tensor:
+    impl = kernel(backend, spec_json)
+    named = dict(zip(field_names(spec_from_json(spec_json), kind), fields))
+    ctx = context(spec_json, layer, shape, fields[0].device)
+    out = impl.decode_keys(named, ctx) if kind == "keys" else impl.decode_values(named, ctx)
+    return fresh(out, fields)
+
+
+def attend(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: list[torch.Tensor],
+           vfields: list[torch.Tensor], shape: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = kernel(backend, spec_json)
+    spec = spec_from_json(spec_json)
+    kf = dict(zip(field_names(spec, "keys"), kfields))
+    vf = dict(zip(field_names(spec, "values"), vfields))
+    out, lse = impl.attend(q, kf, vf, context(spec_json, layer, shape, q.device), scale)
+    inputs = [q, *kfields, *vfields]
+    out = fresh(out, inputs)
+    return out, fresh(lse, [*inputs, out])

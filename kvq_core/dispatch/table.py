@@ -1,0 +1,51 @@
+"""The kernel table: ``(backend, method) -> kernel class`` for the ``kvq::`` ops.
+
+A torch-tensor backend adds entries with :func:`register_kernel` (a class or a lazy
+``"module:Attr"`` reference, called with the spec) and nothing else; the op bodies
+(:mod:`kvq_core.dispatch.run`) look kernels up here by the backend name the op carries.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvq_core.errors import BackendUnavailableError
+from kvq_core.kernels import resolve
+from kvq_core.registry import spec_from_dict
+
+_table: dict[tuple[str, str], Any] = {}
+_lock = threading.Lock()
+
+
+def register_kernel(backend: str, method: str, factory: "str | Callable[[Any], Any]") -> None:
+    """Serve ``method`` on ``backend`` through the ``kvq::`` ops with ``factory(spec)``.
+
+    Registering the same (backend, method) again replaces the entry (a plugin reloaded)."""
+    with _lock:
+        _table[(backend, method)] = factory
+        kernel.cache_clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def spec_from_json(spec_json: str) -> Any:
+    """The spec a ``kvq::`` op's ``spec_json`` string names (cached per string)."""
+    return spec_from_dict(json.loads(spec_json))
+
+
+def methods(backend: str) -> tuple[str, ...]:
+    """The methods ``backend`` has table entries for (sorted)."""
+    return tuple(sorted(m for b, m in _table if b == backend))
+
+
+@functools.lru_cache(maxsize=1024)
+def kernel(backend: str, spec_json: str) -> Any:
+    """The kernel object of ``backend`` for the spec ``spec_json`` names (cached)."""
+    spec = spec_from_json(spec_json)
+    ref = _table.get((backend, spec.method))
+    if ref is None:
+        raise BackendUnavailableError(
+            f"kvq ops: backend {backend!r} has no kernel for method {spec.method!r}; it has {list(methods(backend))}")
+    return resolve(ref)(spec)
