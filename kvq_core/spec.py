@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -15,7 +16,14 @@ import numpy as np
 
 from kvq_core.errors import SpecError
 from kvq_core.layout import Layout
-from kvq_core.math.hadamard import is_power_of_two
+
+
+def channel_group(preferred: int, head_dim: int) -> int:
+    """The default size of a group of channels: ``min(preferred, head_dim)`` when it divides
+    head_dim, else ``gcd(preferred, head_dim)`` (e.g. 16 for 32 at head_dim 80), so a method's
+    paper default still works on head dims that are multiples of 16 but not of its group."""
+    size = min(preferred, head_dim)
+    return size if head_dim % size == 0 else math.gcd(preferred, head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +51,14 @@ class MethodSpec:
     # -- validation -------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise :class:`SpecError` for any out-of-range field. Subclasses extend this."""
+        self.validate_head_dim()
+
+    def validate_head_dim(self) -> None:
+        """head_dim: a multiple of 16 (the rotations are Hadamard blocks of >= 16 coordinates,
+        :mod:`kvq_core.math.hadamard`). Codecs without such structure override this."""
         self._check_int("head_dim", 16, 1 << 16)
-        if not is_power_of_two(self.head_dim):
-            raise SpecError(self.method, "head_dim", self.head_dim, "a power of two >= 16")
+        if self.head_dim % 16:
+            raise SpecError(self.method, "head_dim", self.head_dim, "a multiple of 16 (64, 80, 96, 128, ...)")
 
     def _fail(self, param: str, expected: str) -> None:
         raise SpecError(self.method, param, getattr(self, param), expected)

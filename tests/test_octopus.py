@@ -193,7 +193,8 @@ def test_spec_defaults_and_resolution() -> None:
 
 @pytest.mark.parametrize(
     "param, value",
-    [("bits", 5), ("rounding", "foo"), ("rho_bits", 0), ("xi_bits", 9), ("head_dim", 96), ("values", "x"), ("seed", -1)],
+    [("bits", 5), ("rounding", "foo"), ("rho_bits", 0), ("xi_bits", 9), ("head_dim", 72), ("values", "x"), ("seed", -1),
+     ("tail", "zero")],
 )
 def test_spec_errors_name_the_parameter(param: str, value: object) -> None:
     with pytest.raises(SpecError) as info:

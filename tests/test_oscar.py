@@ -51,7 +51,7 @@ def gaussian(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
         ({"key_group": 0}, "key_group"),
         ({"value_group": 48}, "value_group"),
         ({"value_group": 256}, "value_group"),
-        ({"head_dim": 96}, "head_dim"),
+        ({"head_dim": 72}, "head_dim"),
         ({"token_scaling": 1}, "token_scaling"),
         ({"rotation": "yes"}, "rotation"),
         ({"group": 32}, "group"),

@@ -28,9 +28,10 @@ def _quantize(x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
 
 
 def triplets(v: np.ndarray, n_triplets: int) -> np.ndarray:
-    """[..., d] -> [..., n_triplets, 3], zero-padding the tail (spec 1.3)."""
-    pad = 3 * n_triplets - v.shape[-1]
-    v = np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
+    """The first 3 * n_triplets coordinates of [..., d] as [..., n_triplets, 3], zero-padding a
+    short tail (spec 1.3); coordinates beyond them are the scalar tail's."""
+    pad = max(3 * n_triplets - v.shape[-1], 0)
+    v = np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])[..., : 3 * n_triplets]
     return v.reshape(*v.shape[:-1], n_triplets, 3)
 
 
@@ -82,14 +83,41 @@ def encode(x: np.ndarray, spec: OctopusSpec, consts: Consts) -> Fields:
     t = triplets(v, spec.n_triplets)
     rounding = _round_joint if spec.rounding == "joint" else _round_plain
     codes = _join(spec, *rounding(t, consts))
-    return {"codes": pack_codes(codes, spec.triplet_bits), "norm": gamma}
+    if not spec.n_tail:
+        return {"codes": pack_codes(codes, spec.triplet_bits), "norm": gamma}
+    tail = _quantize(v[..., 3 * spec.n_triplets :], consts["tail_thresholds"])
+    stream = np.concatenate((_to_bits(codes, spec.triplet_bits), _to_bits(tail, spec.bits)), axis=-1)
+    return {"codes": pack_codes(stream, 1), "norm": gamma}
+
+
+def _to_bits(codes: np.ndarray, width: int) -> np.ndarray:
+    """Codes (..., n) as their bits (..., n * width), least significant first (the layout bit rule)."""
+    return ((codes[..., None] >> np.arange(width)) & 1).reshape(*codes.shape[:-1], -1)
+
+
+def _from_bits(stream: np.ndarray, width: int) -> np.ndarray:
+    """Inverse of :func:`_to_bits`."""
+    return (stream.reshape(*stream.shape[:-1], -1, width) << np.arange(width)).sum(axis=-1)
+
+
+def _unpack(fields: Fields, spec: OctopusSpec) -> tuple[np.ndarray, np.ndarray | None]:
+    """The triplet codes and the scalar tail's codes (None without a scalar tail)."""
+    if not spec.n_tail:
+        return unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets), None
+    head = spec.n_triplets * spec.triplet_bits
+    stream = unpack_codes(fields["codes"], 1, head + spec.n_tail * spec.bits)
+    return _from_bits(stream[..., :head], spec.triplet_bits), _from_bits(stream[..., head:], spec.bits)
 
 
 def decode_rotated(fields: Fields, spec: OctopusSpec, consts: Consts) -> np.ndarray:
     """The decoded unit vectors in the rotated domain, R u_hat, [b, h, t, d] (gamma not applied)."""
-    i_xi, i_eta, i_rho = _split(spec, unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets))
+    codes, tail = _unpack(fields, spec)
+    i_xi, i_eta, i_rho = _split(spec, codes)
     t_hat = consts["rho_codebook"][i_rho][..., None] * _directions(i_xi, i_eta, consts)
-    return t_hat.reshape(*t_hat.shape[:-2], -1)[..., : spec.head_dim]
+    v_hat = t_hat.reshape(*t_hat.shape[:-2], -1)[..., : spec.head_dim]
+    if tail is None:
+        return v_hat
+    return np.concatenate((v_hat, consts["tail_codebook"][tail]), axis=-1)
 
 
 def decode(fields: Fields, spec: OctopusSpec, consts: Consts) -> np.ndarray:

@@ -32,6 +32,7 @@ import torch
 
 from kvq_core.dispatch.torch_kernels import Consts, Fields, TorchContext
 from kvq_core.dispatch.torch_kernels import TorchMethod as BaseTorchMethod
+from kvq_core.math.hadamard import hadamard_block
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,22 +120,24 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtype
 # float32 math mirrored from the reference
 # --------------------------------------------------------------------------------------------
 def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal fast Walsh-Hadamard transform on the last axis, float32 (``x @ H_d``).
+    """Orthonormal fast Walsh-Hadamard transform on the last axis, float32 (``x @ H_d``; block
+    diagonal ``I (x) H_B`` when d is not a power of two, see :mod:`kvq_core.math.hadamard`).
 
     The same butterfly stages in the same order as :func:`kvq_core.math.hadamard.fwht`, so the
     float32 result is bit-identical to the reference (and between eager and inductor).
     """
     x = x.to(torch.float32)
     d = x.shape[-1]
+    block = hadamard_block(int(d))
     lead = x.shape[:-1]
     y = x.reshape(-1, d)
     h = 1
-    while h < d:
+    while h < block:
         y = y.reshape(-1, d // (2 * h), 2, h)
         top, bottom = y[:, :, 0, :], y[:, :, 1, :]
         y = torch.stack((top + bottom, top - bottom), dim=2)
         h *= 2
-    return y.reshape(*lead, d) * _inv_sqrt(d)
+    return y.reshape(*lead, d) * _inv_sqrt(block)
 
 
 #: float32(1 / sqrt(d)) as Python floats for d = 2**0 .. 2**16 (the reference multiplies by this
@@ -147,7 +150,7 @@ def _inv_sqrt(d: int) -> float:
 
 
 def hadamard_rotate(x: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
-    """``x @ H`` for the core's orthonormal Sylvester matrix ``H`` (float32), as one matmul.
+    """``x @ H`` for the core's orthonormal (block) Sylvester matrix ``H`` (float32), as one matmul.
 
     Computed as ``(x @ sign(H)) * float32(1/sqrt(d))``: the +-1 products are exact, so wherever
     the partial sums are exactly representable (constant, integer or zero inputs) the result is
@@ -157,7 +160,7 @@ def hadamard_rotate(x: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
     the same bits eager and compiled.
     """
     x = x.to(torch.float32)
-    return (x @ torch.sign(hadamard)) * _inv_sqrt(x.shape[-1])
+    return (x @ torch.sign(hadamard)) * _inv_sqrt(hadamard_block(int(x.shape[-1])))
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -58,11 +58,12 @@ def oct_encode(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # the codec
 # --------------------------------------------------------------------------------------------
 def triplets(v: torch.Tensor, n_triplets: int) -> torch.Tensor:
-    """``[..., d]`` -> ``[..., n_triplets, 3]``, zero-padding the tail (spec 1.3)."""
+    """The first ``3 * n_triplets`` coordinates of ``[..., d]`` as ``[..., n_triplets, 3]``,
+    zero-padding a short tail (spec 1.3); coordinates beyond them are the scalar tail's."""
     pad = 3 * n_triplets - v.shape[-1]
-    if pad:
+    if pad > 0:
         v = torch.nn.functional.pad(v, (0, pad))
-    return v.reshape(*v.shape[:-1], n_triplets, 3)
+    return v[..., : 3 * n_triplets].reshape(*v.shape[:-1], n_triplets, 3)
 
 
 def lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -122,15 +123,43 @@ def encode(x: torch.Tensor, spec: OctopusSpec, consts: Consts) -> Fields:
     t = triplets(v, spec.n_triplets)
     rounding = round_joint if spec.rounding == "joint" else round_plain
     codes = join(spec, *rounding(t, consts))
-    return {"codes": pack_codes(codes, spec.triplet_bits), "norm": gamma}
+    if not spec.n_tail:
+        return {"codes": pack_codes(codes, spec.triplet_bits), "norm": gamma}
+    tail = codebook_quantize(v[..., 3 * spec.n_triplets :], consts["tail_thresholds"])
+    stream = torch.cat((to_bits(codes, spec.triplet_bits), to_bits(tail, spec.bits)), dim=-1)
+    return {"codes": pack_codes(stream, 1), "norm": gamma}
+
+
+def to_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Codes ``(..., n)`` as their bits ``(..., n * width)``, least significant first."""
+    shifts = torch.arange(width, dtype=torch.int64, device=codes.device)
+    return ((codes.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], -1)
+
+
+def from_bits(stream: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`to_bits` (int64 codes)."""
+    shifts = torch.arange(width, dtype=torch.int64, device=stream.device)
+    return (stream.to(torch.int64).reshape(*stream.shape[:-1], -1, width) << shifts).sum(-1)
+
+
+def unpack(fields: Fields, spec: OctopusSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The triplet codes and the scalar tail's codes (None without a scalar tail)."""
+    if not spec.n_tail:
+        return unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets), None
+    head = spec.n_triplets * spec.triplet_bits
+    stream = unpack_codes(fields["codes"], 1, head + spec.n_tail * spec.bits)
+    return from_bits(stream[..., :head], spec.triplet_bits), from_bits(stream[..., head:], spec.bits)
 
 
 def decode_rotated(fields: Fields, spec: OctopusSpec, consts: Consts) -> torch.Tensor:
     """The decoded unit vectors in the rotated domain, R u_hat, [b, h, t, d] (gamma not applied)."""
-    codes = unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets)
+    codes, tail = unpack(fields, spec)
     direction, i_rho = split(spec, codes)
     t_hat = lookup(consts["rho_codebook"], i_rho).unsqueeze(-1) * lookup(consts["directions"], direction)
-    return t_hat.reshape(*t_hat.shape[:-2], -1)[..., : spec.head_dim]
+    v_hat = t_hat.reshape(*t_hat.shape[:-2], -1)[..., : spec.head_dim]
+    if tail is None:
+        return v_hat
+    return torch.cat((v_hat, lookup(consts["tail_codebook"], tail)), dim=-1)
 
 
 def decode(fields: Fields, spec: OctopusSpec, consts: Consts) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """``kvq bench fidelity``: rate-distortion of every method on three synthetic data regimes.
 
-For head dims 64 and 128 and b in {2, 3, 4}: true bits per element, key relative MSE, mean
+For head dims 64, 96 and 128 and b in {2, 3, 4}: true bits per element, key relative MSE, mean
 absolute inner-product error, attention-output relative error and top-8 attention overlap,
 on unit Gaussian keys, keys with outlier channels and keys with token-norm imbalance (sinks at
 0.15x norm, loud tokens at 3x). Per-token key errors (mean and worst token) weigh every token
 alike, which shows what per-channel codecs do to low-norm sink tokens.
 A rate-matched TurboQuant row (b+1 bits on as many rotated coordinates as fit) stores no more
 bits per key than OCTOPUS (equal at d=64 and 128), so the OCTOPUS gain is shown at equal storage.
+head_dim 96 (Phi-3) is not a power of two: its Hadamard rotations are block diagonal (three
+32-wide blocks, :mod:`kvq_core.math.hadamard`); :func:`rotation_cost` sets its errors against
+head_dim 128's, which is what the weaker mixing costs.
 """
 from __future__ import annotations
 
@@ -95,6 +98,31 @@ def markdown(rows: list[dict], setting: str) -> str:
     return "\n".join(out) + "\n"
 
 
+#: methods whose codec rotates by a (block) Hadamard matrix
+ROTATING = ("oscar", "octopus", "turboquant", "turboquant_prod", "polarquant", "quarot")
+
+
+def rotation_cost(rows: list[dict], head_dim: int = 96, reference: int = 128) -> str:
+    """Errors at a non-power-of-two ``head_dim`` over the same method's at ``reference``, per
+    regime: > 1 is what the block-diagonal rotation (and any bits difference) costs."""
+    by = {(r["regime"], r["head_dim"], r["bits"], r["label"]): r for r in rows}
+    out = [f"\n## Block-diagonal rotation: head_dim {head_dim} against {reference}\n",
+           f"Ratios d={head_dim} / d={reference} of key relative MSE and attention-output relative error, same "
+           "method and b (1.00 = no cost); key bits per element at both.\n",
+           "| b | method | key bits | " + " | ".join(f"key MSE ratio {g}" for g in "abc") + " | "
+           + " | ".join(f"attn err ratio {g}" for g in "abc") + " |",
+           "|---|---|---|" + "---|" * 6]
+    keys = sorted({(r["bits"], r["label"]) for r in rows if r["head_dim"] == head_dim and r["method"] in ROTATING})
+    for b, label in keys:
+        pairs = [(by.get((g, head_dim, b, label)), by.get((g, reference, b, label))) for g in REGIMES]
+        if any(x is None or y is None for x, y in pairs):
+            continue
+        mse = " | ".join(f"{x['key_rel_mse'] / y['key_rel_mse']:.2f}" for x, y in pairs)
+        att = " | ".join(f"{x['attn_rel_err'] / y['attn_rel_err']:.2f}" for x, y in pairs)
+        out.append(f"| {b} | {label} | {pairs[0][0]['key_bits']:.3f} / {pairs[0][1]['key_bits']:.3f} | {mse} | {att} |")
+    return "\n".join(out) + "\n"
+
+
 def summary(rows: list[dict], head_dim: int = 128) -> str:
     """A compact table for the README: key MSE per regime, sink-regime per-token error and attention error."""
     out = ["| b | method | key bits | K+V bits | key MSE (a) | key MSE (b) | key MSE (c) | per-token key err (c) | worst-token key err (c) | attn err (c) |",
@@ -143,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="numpy")
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128])
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for fidelity.{md,json,png}")
@@ -157,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                f"seed {args.seed}, backend {args.backend}. Command: `kvq bench fidelity{' --quick' if args.quick else ''}`.")
     args.out.mkdir(parents=True, exist_ok=True)
     md = markdown(rows, setting)
+    if {96, 128} <= set(args.head_dims):
+        md += rotation_cost(rows)
     (args.out / "fidelity.md").write_text(md)
     if 128 in args.head_dims and set(REGIMES) <= {r["regime"] for r in rows}:
         (args.out / "fidelity_summary.md").write_text(summary(rows))

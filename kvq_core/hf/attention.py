@@ -16,9 +16,12 @@ sdpa mask builder under the same name) by :func:`register`; a model loaded with
 
 Coverage: decoder models whose attention module passes ``cache.update(...)``'s K/V unchanged
 to ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` with softmax attention (Llama,
-Mistral, Qwen2/Qwen3, SmolLM and other llama-style models; tested on Llama). Not covered:
-logit soft-capping, attention sinks, dropout in training, and masks that hide any packed token
-(e.g. left padding inside the packed region): those fall back to decoding the blocks.
+Mistral, Qwen2/Qwen3, Gemma 3, Phi-3, GPT-NeoX, OLMo 2, Granite, SmolLM and other llama-style
+models; tests/test_hf_models.py). Masks that hide a packed token (left padding inside the
+packed region, a sliding window over a multi-token step) fall back to decoding the blocks.
+Multi-head latent attention (DeepseekV3) expands the cached latent before attention, so its
+layers hand decoded K/V here and take the plain sdpa path. Refused: logit soft-capping
+(Gemma 2), attention sinks, dropout in training.
 """
 from __future__ import annotations
 

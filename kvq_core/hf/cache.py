@@ -29,6 +29,14 @@ packed:
 
 ``residual=0`` packs everything after each step under both.
 
+Sliding-window layers (``sliding_window=W``, e.g. Mistral, the local layers of Gemma 2/3) are
+stored the same way, and after each step drop what no later query can see, everything before
+the last W - 1 tokens (:mod:`kvq_core.hf.window`): ``update`` hands the model exactly the K/V a
+transformers ``DynamicSlidingWindowLayer`` would (its mask sizes included), the recent exact
+window staying exact. A per-token layout is cut at the window edge; a token-group block that
+straddles it stays until all its tokens are out, and meanwhile its visible tokens are handed
+over decoded (also in codes mode).
+
 Two ways to attend:
 
 - ``attention="dequant"``: ``update`` returns full K/V (decoded blocks + window) to the
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -54,6 +63,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicL
 
 from kvq_core.api import Quantizer, get_quantizer
 from kvq_core.errors import InputError, KVQError
+from kvq_core.hf.window import plan_eviction, view_start
 from kvq_core.layout import PackedKV, concat_tokens, slice_tokens, token_separable
 from kvq_core.registry import make_spec
 from kvq_core.spec import MethodSpec
@@ -115,8 +125,12 @@ class KVQLayer(DynamicLayer):
         attention: str = "auto",
         cache_decoded: bool = True,
         config: Any = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise InputError(f"sliding_window={sliding_window!r}; expected None or an integer >= 1")
         if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
             raise InputError(f"residual={residual!r}; expected an integer >= 0 (tokens kept in full precision)")
         if attention not in ATTENTION_MODES:
@@ -138,6 +152,8 @@ class KVQLayer(DynamicLayer):
         self.layer_idx, self.backend, self.residual, self.flush = layer_idx, backend, residual, flush
         self.chunks, self.stride = chunks, stride
         self.attention, self.cache_decoded, self._config = attention, cache_decoded, config
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None  # transformers sizes sliding masks from such layers
         self.kq: Quantizer | None = None
         self.vq: Quantizer | None = None
         self._clear()
@@ -145,7 +161,8 @@ class KVQLayer(DynamicLayer):
     def _clear(self) -> None:
         self.blocks: list[tuple[PackedKV, PackedKV]] = []
         self.block_tokens: list[int] = []
-        self.packed_length = 0
+        self.packed_length = 0  # tokens [0, packed_length) are packed or evicted
+        self.evicted = 0  # tokens [0, evicted) are dropped (sliding-window layers)
         self.packed_bytes = 0
         self.cumulative_length = 0
         self._dec: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -156,7 +173,9 @@ class KVQLayer(DynamicLayer):
 
     def __repr__(self) -> str:
         spec = self.key_spec.describe() if self.key_spec == self.value_spec else f"K={self.key_spec.describe()}, V={self.value_spec.describe()}"
-        return f"KVQLayer({spec}, residual={self.residual}, flush={self.flush!r}, blocks={len(self.blocks)}, tokens={self.cumulative_length})"
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        return (f"KVQLayer({spec}, residual={self.residual}, flush={self.flush!r}{window}, blocks={len(self.blocks)}, "
+                f"tokens={self.cumulative_length})")
 
     # -- mode ---------------------------------------------------------------------------------
     @property
@@ -172,9 +191,13 @@ class KVQLayer(DynamicLayer):
     # -- transformers layer contract ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        d = key_states.shape[-1]
-        if d != self.key_spec.head_dim:
-            raise InputError(f"layer {self.layer_idx}: keys have head_dim {d}; the spec says {self.key_spec.head_dim}")
+        for what, x, spec in (("keys", key_states, self.key_spec), ("values", value_states, self.value_spec)):
+            if x.shape[-1] != spec.head_dim:
+                mla = mla_dims(self._config) if self._config is not None else None
+                hint = "" if mla is None else (
+                    f" (multi-head latent attention: kvq caches the latent, kv_lora_rank={mla[0]}, as keys and the rope "
+                    f"part, qk_rope_head_dim={mla[1]}, as values, as DeepseekV3 does; this model caches something else)")
+                raise InputError(f"layer {self.layer_idx}: {what} have head_dim {x.shape[-1]}; the spec says {spec.head_dim}{hint}")
         device = str(key_states.device)
         self.kq = get_quantizer(self.key_spec, self.backend, layer=self.layer_idx, device=device)
         self.vq = self.kq if self.same_spec else get_quantizer(self.value_spec, self.backend, layer=self.layer_idx, device=device)
@@ -191,38 +214,82 @@ class KVQLayer(DynamicLayer):
         window_k = torch.cat([self.keys, key_states], dim=-2)
         window_v = torch.cat([self.values, value_states], dim=-2)
         base = self.cumulative_length - self.window_length  # tokens read from codes this step
+        first = view_start(self.cumulative_length, self.sliding_window)  # first token this step's queries see
         block = self._encode_flush(window_k, window_v, base)  # first: rejected input leaves the layer unchanged
         self.keys, self.values = window_k, window_v
         self.cumulative_length += key_states.shape[-2]
         # sliding: a query of this step may sit `residual` or more tokens after a window token
-        decode_view = self.flush == "sliding" and self.chunks == "decode" and window_k.shape[-2] > max(self.residual, 1)
+        decode_view = (self.flush == "sliding" and self.chunks == "decode" and window_k.shape[-2] > max(self.residual, 1)
+                       and base >= first)
         flushed = self._window_codes(block, base) if decode_view else None
-        if self.codes_mode:
+        if first > self.evicted or base < first:
+            # a sliding window starts inside a token-group block or inside the exact window: hand
+            # the visible tokens over decoded, so K/V match the mask transformers builds
+            keys, values = self._visible(base, first)
+            if self.codes_mode or flushed is not None:
+                keys = keys.view(keys.shape)
+                keys._kvq_context = CodesContext(self, (), 0, history=max(base - first, 0), flushed=flushed)  # type: ignore[attr-defined]
+                self._pending_codes = self.codes_mode
+        elif self.codes_mode:
             whole, part = self._blocks_before(base)
             keys, values = self.keys.view(self.keys.shape), self.values.view(self.values.shape)
             if part is not None:  # a block encoded ahead: its tokens before the window, decoded
                 keys, values = torch.cat([part[0], keys], dim=-2), torch.cat([part[1], values], dim=-2)
             history = 0 if part is None else part[0].shape[-2]
-            keys._kvq_context = CodesContext(self, tuple(self.blocks[:whole]), base - history,  # type: ignore[attr-defined]
+            keys._kvq_context = CodesContext(self, tuple(self.blocks[:whole]), base - history - self.evicted,  # type: ignore[attr-defined]
                                              history=history, flushed=flushed)
             self._pending_codes = True
         else:
-            hist = self.decoded_history()
-            keys, values = self.keys, self.values
-            if hist is not None and base:
-                keys = torch.cat([hist[0][:, :, :base], keys], dim=-2)
-                values = torch.cat([hist[1][:, :, :base], values], dim=-2)
+            keys, values = self._visible(base, first)
             if flushed is not None:
                 keys = keys.view(keys.shape)
-                keys._kvq_context = CodesContext(self, (), 0, history=base, flushed=flushed)  # type: ignore[attr-defined]
-        b, h, w, d = self.keys.shape
-        self.last_attention_bits = 8.0 * self.packed_bytes + WINDOW_BITS * 2 * b * h * w * d
-        self.last_attention_elements = 2 * b * h * self.cumulative_length * d
+                keys._kvq_context = CodesContext(self, (), 0, history=base - first, flushed=flushed)  # type: ignore[attr-defined]
+        b, h, w, _ = self.keys.shape
+        per_token = self.keys.shape[-1] + self.values.shape[-1]  # K and V elements of one token and head
+        self.last_attention_bits = 8.0 * self.packed_bytes + WINDOW_BITS * b * h * w * per_token
+        self.last_attention_elements = b * h * (self.cumulative_length - self.evicted) * per_token
         if block is not None:
             self._commit(*block)
         if self.flush == "sliding":
             self._slide()
+        if self.sliding_window is not None:
+            self._evict(view_start(self.cumulative_length, self.sliding_window))
         return keys, values
+
+    def _visible(self, base: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded history from token ``first`` to ``base``, then the window from ``first`` on."""
+        keys, values = self.keys, self.values
+        if base < first:
+            return keys[:, :, first - base:], values[:, :, first - base:]
+        hist = self.decoded_history()
+        if hist is not None and base > first:
+            lo, hi = first - self.evicted, base - self.evicted
+            keys = torch.cat([hist[0][:, :, lo:hi], keys], dim=-2)
+            values = torch.cat([hist[1][:, :, lo:hi], values], dim=-2)
+        return keys, values
+
+    def _evict(self, target: int) -> None:
+        """Drop stored tokens before position ``target`` that no later query can see (sliding
+        window): whole blocks, the leading tokens of a per-token block, old window tokens."""
+        plan = plan_eviction(self.block_tokens, self.evicted, target, separable(self.key_spec, self.value_spec))
+        if plan.evicted == self.evicted:
+            return
+        blocks, tokens = self.blocks[plan.drop_blocks:], self.block_tokens[plan.drop_blocks:]
+        if plan.cut:
+            pk, pv = blocks[0]
+            blocks[0] = (slice_tokens(pk, plan.cut, tokens[0]), slice_tokens(pv, plan.cut, tokens[0]))
+            tokens[0] -= plan.cut
+        gone = plan.evicted - self.evicted
+        self.blocks, self.block_tokens, self.evicted = blocks, tokens, plan.evicted
+        self.packed_length = max(self.packed_length, plan.evicted)
+        self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in blocks)
+        old_window = plan.evicted - (self.cumulative_length - self.window_length)
+        if old_window > 0:
+            self.keys, self.values = self.keys[:, :, old_window:].clone(), self.values[:, :, old_window:].clone()
+        if self._dec is not None and self._dec_tokens > plan.evicted:
+            self._dec = tuple(t[:, :, gone:] for t in self._dec)  # type: ignore[assignment]
+        else:
+            self.drop_decoded()
 
     def mark_attended(self) -> None:
         """Declare the last ``update``'s output used without the "kvq" attention function
@@ -233,10 +300,12 @@ class KVQLayer(DynamicLayer):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
+        """(kv_length, kv_offset) of the K/V the next ``update`` returns (as transformers' layers)."""
+        first = view_start(self.cumulative_length, self.sliding_window)
+        return self.cumulative_length - first + query_length, first
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.sliding_window is None else self.sliding_window
 
     def reset(self) -> None:
         self.keys = self.values = None
@@ -271,7 +340,7 @@ class KVQLayer(DynamicLayer):
     def _blocks_before(self, base: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
         """How many leading blocks lie wholly before token ``base``, and the decoded tokens
         before ``base`` of the next block (one a sliding stride encoded ahead), if any."""
-        start = 0
+        start = self.evicted
         for i, t in enumerate(self.block_tokens):
             if start + t > base:
                 if start == base:
@@ -287,7 +356,7 @@ class KVQLayer(DynamicLayer):
         parts = []
         if self.packed_length > base:
             hist = self.decoded_history()
-            parts.append((hist[0][:, :, base:], hist[1][:, :, base:]))  # type: ignore[index]
+            parts.append((hist[0][:, :, base - self.evicted:], hist[1][:, :, base - self.evicted:]))  # type: ignore[index]
         if block is not None:
             parts.append(self.decode_pair(block[0], block[1]))
         if not parts:
@@ -337,7 +406,7 @@ class KVQLayer(DynamicLayer):
         return k, v
 
     def decoded_history(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All packed blocks decoded to ``[batch, kv_heads, packed_length, head_dim]`` (None if none)."""
+        """All stored packed blocks decoded to ``[batch, kv_heads, packed_length - evicted, head_dim]`` (None if none)."""
         if not self.blocks:
             return None
         if not self.cache_decoded:
@@ -345,7 +414,7 @@ class KVQLayer(DynamicLayer):
             return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
         if self._dec_tokens < self.packed_length:
             parts = [] if self._dec is None else [self._dec]
-            start = 0
+            start = self.evicted
             for i, t in enumerate(self.block_tokens):
                 if start + t > self._dec_tokens:  # (part of) block i is not decoded yet
                     k, v = self.decode_block(i)
@@ -420,6 +489,9 @@ class KVQLayer(DynamicLayer):
         n = -tokens_to_remove
         if n > self.cumulative_length:
             raise ValueError(f"crop: cannot remove {n} tokens from a layer holding {self.cumulative_length}")
+        if n and self.evicted:
+            raise KVQError(f"crop: layer {self.layer_idx} is a sliding-window layer that has dropped its first "
+                           f"{self.evicted} tokens; it cannot be rolled back")
         rest = max(self.packed_length - (self.cumulative_length - n), 0)  # packed tokens past the cut
         tokens = list(self.block_tokens)
         while rest > 0 and tokens and tokens[-1] <= rest:
@@ -490,6 +562,21 @@ def _head_dim(config: Any) -> int:
     return int(hd) if hd else int(config.hidden_size // config.num_attention_heads)
 
 
+def mla_dims(config: Any) -> tuple[int, int] | None:
+    """(latent dim, rope dim) of a multi-head latent attention model (DeepseekV3 style), whose
+    layers pass the compressed latent to the cache as "keys" and the shared rope part as
+    "values", or None for ordinary attention."""
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank is None:
+        return None
+    return int(rank), int(config.qk_rope_head_dim)
+
+
+#: Layer types whose K/V kvq stores (the others keep their transformers layer, exact).
+QUANTIZED_TYPES = ("full_attention", "sliding_attention")
+SLIDING_MODES = ("quantize", "exact")
+
+
 def _resolve_layers(spec_layers: Iterable[int] | None, n: int, what: str) -> set[int]:
     out = set()
     for i in spec_layers or ():
@@ -505,8 +592,13 @@ class KVQCache(Cache):
     ``KVQCache(config, method="oscar", backend="auto", residual=None, bits=2)``
 
     Args:
-        config: the model's ``PretrainedConfig`` (its text config is used). Full-attention layers
-            are quantized; sliding-window and other layer types keep their transformers layer.
+        config: the model's ``PretrainedConfig`` (its text config is used). Full-attention and
+            sliding-window layers are quantized; other layer types (chunked, linear attention, ...)
+            keep their transformers layer in full precision. Every layer kept exact is listed in
+            :meth:`memory_report` (``exact_layers``) and named once in a warning. Multi-head latent
+            attention (DeepseekV3) caches the latent and the rope part with the method's codec
+            (two specs of their widths); the model expands them after the cache, so those layers
+            attend by decoding (``attention="codes"`` is refused).
         method: a registered kvq method name (``kvq_core.list_methods()``).
         backend: a kvq backend name, or "auto" (picks torch when available for the device).
         residual: tokens kept in full precision (see module doc); default is the method spec's
@@ -519,6 +611,10 @@ class KVQCache(Cache):
             the same either way.
         chunks: "exact" or "decode": how a multi-token step of a sliding layer attends (module
             doc); settable later through the ``chunks`` property (e.g. after a prefill).
+        sliding_layers: "quantize" (default) stores sliding-window layers (Mistral, Gemma 2/3
+            local layers, ...) in kvq codes too: tokens leave at the window edge as in transformers'
+            sliding layers, and the method's exact recent window stays exact; "exact" keeps them as
+            transformers layers in full precision.
         fp_layers: layers kept entirely in full precision (``DynamicLayer``), e.g. ``(0, -1)``.
         fp_key_layers: layers whose keys are stored as float16 (method "fp16") and values quantized.
         value_method, value_params: a different codec for values; by default values use
@@ -549,12 +645,24 @@ class KVQCache(Cache):
         layer_params: Mapping[int, Mapping[str, Any]] | None = None,
         attention: str = "auto",
         cache_decoded: bool = True,
+        sliding_layers: str = "quantize",
         **method_params: Any,
     ) -> None:
+        from kvq_core.hf.attention import register
+
+        register()  # so attn_implementation="kvq" works whenever a KVQCache exists
+        if sliding_layers not in SLIDING_MODES:
+            raise InputError(f"sliding_layers={sliding_layers!r}; expected one of {SLIDING_MODES}")
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text_config
         self.method, self.backend = method, backend
-        head_dim = _head_dim(text_config)
+        mla = mla_dims(text_config)
+        if mla is not None and attention == "codes":
+            raise InputError(
+                f"attention='codes' is not possible for multi-head latent attention ({text_config.model_type}): the "
+                "model expands the cached latent into K/V after the cache; use attention='dequant' or 'auto'"
+            )
+        head_dim, value_dim = mla if mla is not None else (_head_dim(text_config),) * 2
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         n = len(layer_types)
         self.fp_layers = _resolve_layers(fp_layers, n, "fp_layers")
@@ -562,20 +670,22 @@ class KVQCache(Cache):
         layer_params = {int(k) % n: dict(v) for k, v in (layer_params or {}).items()}
         self.method_params = dict(method_params)
         layers: list[Any] = []
+        self.exact_layers: dict[int, str] = {}  # layer -> why its K/V stay in full precision
         for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-            if kind != "full_attention":
-                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
-                continue
-            if i in self.fp_layers:
-                layers.append(DynamicLayer())
+            quantize = kind in QUANTIZED_TYPES and not (kind == "sliding_attention" and sliding_layers == "exact")
+            if not quantize or i in self.fp_layers:
+                layers.append(DynamicLayer() if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+                if kind not in ("dummy",):
+                    self.exact_layers[i] = "fp_layers" if i in self.fp_layers else (
+                        "sliding_layers='exact'" if kind == "sliding_attention" else f"layer type {kind!r}")
                 continue
             over = layer_params.get(i, {})
-            key_params = {"head_dim": head_dim, **method_params, **over}
+            key_params = {**method_params, **over, "head_dim": head_dim}
             key_spec = make_spec("fp16", head_dim=head_dim) if i in self.fp_key_layers else make_spec(method, **key_params)
             if value_method is None:
-                value_spec = make_spec(method, **{**key_params, **(value_params or {})})
+                value_spec = make_spec(method, **{**key_params, **(value_params or {}), "head_dim": value_dim})
             else:
-                value_spec = make_spec(value_method, **{"head_dim": head_dim, **(value_params or {}), **over})
+                value_spec = make_spec(value_method, **{**(value_params or {}), **over, "head_dim": value_dim})
             base = value_spec if i in self.fp_key_layers else key_spec
             r = residual if residual is not None else type(base).default_residual
             f = flush
@@ -584,10 +694,17 @@ class KVQCache(Cache):
             layers.append(
                 KVQLayer(
                     key_spec, value_spec, layer_idx=i, backend=backend, residual=r, flush=f, stride=stride, chunks=chunks,
-                    attention=attention, cache_decoded=cache_decoded, config=text_config,
+                    attention="dequant" if mla is not None else attention, cache_decoded=cache_decoded,
+                    config=text_config, sliding_window=kwargs.get("sliding_window") if kind == "sliding_attention" else None,
                 )
             )
         super().__init__(layers=layers)
+        self.mla = mla is not None
+        unchosen = {i: why for i, why in self.exact_layers.items() if why != "fp_layers"}
+        if unchosen:
+            listed = ", ".join(f"{i} ({why})" for i, why in sorted(unchosen.items()))
+            warnings.warn(f"KVQCache({method!r}): {len(unchosen)} of {n} layers keep full-precision K/V: {listed}; "
+                          "see memory_report()['exact_layers']", stacklevel=2)
         self._step: dict[int, dict[str, Any]] | None = None  # layer states at the start of this step
 
     def __repr__(self) -> str:
@@ -654,7 +771,9 @@ class KVQCache(Cache):
 
         ``bits_per_element`` is stored bits over K/V elements at the last attention step, with
         exact tokens (windows, full-precision layers) counted at 16 bits, as a float16 model
-        stores them. ``dynamic_cache_bytes`` is what a ``DynamicCache`` holding the same tokens
+        stores them. ``exact_layers`` maps each layer kept entirely in full precision to why
+        (``fp_layers``, ``sliding_layers='exact'``, or a layer type kvq does not store); their
+        bytes are ``fp_layer_bytes``. ``dynamic_cache_bytes`` is what a ``DynamicCache`` holding the same tokens
         in the model's dtype would hold.
         """
         packed = window = fp = dec = dyn = 0
@@ -667,8 +786,11 @@ class KVQCache(Cache):
                 bits += layer.last_attention_bits
                 elements += layer.last_attention_elements
                 if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
-                    b, h, _, d = layer.keys.shape
-                    dyn += 2 * b * h * layer.cumulative_length * d * layer.keys.element_size()
+                    b, h = layer.keys.shape[:2]
+                    tokens = layer.cumulative_length  # a DynamicSlidingWindowLayer holds sliding_window - 1
+                    if layer.sliding_window is not None:
+                        tokens = min(tokens, layer.sliding_window - 1)
+                    dyn += b * h * tokens * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
             elif getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
                 nb = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
                 fp += nb
@@ -684,6 +806,7 @@ class KVQCache(Cache):
             "total_bytes": packed + window + fp,
             "dynamic_cache_bytes": dyn,
             "bits_per_element": bits / elements if elements else math.nan,
+            "exact_layers": dict(self.exact_layers),
         }
 
     def bits_per_element(self) -> float:

@@ -16,6 +16,10 @@ class Fp16Spec(MethodSpec):
 
     storage: str = "float16"
 
+    def validate_head_dim(self) -> None:
+        """Any head_dim: the identity codec has no block structure (e.g. 72 or 100 work)."""
+        self._check_int("head_dim", 1, 1 << 16)
+
     def validate(self) -> None:
         super().validate()
         self._check_choice("storage", ("float16", "float32"))

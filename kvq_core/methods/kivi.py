@@ -14,7 +14,7 @@ import dataclasses
 import math
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
-from kvq_core.spec import MethodSpec
+from kvq_core.spec import MethodSpec, channel_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +22,8 @@ class KiviSpec(MethodSpec):
     """KIVI at ``bits`` bits (the paper uses 2 and 4) with groups of ``group`` (paper: 32).
 
     ``group`` is the number of tokens sharing a key channel's (scale, offset) and the number of
-    channels sharing a value token's; it must divide head_dim. Bits per element: bits + 32/group.
+    channels sharing a value token's; it must divide head_dim. It defaults to 32 (16 where 32 does
+    not divide head_dim, e.g. 80: :func:`kvq_core.spec.channel_group`). Bits per element: bits + 32/group.
     """
 
     method = "kivi"
@@ -30,11 +31,13 @@ class KiviSpec(MethodSpec):
     default_residual = 128
 
     bits: int = 2
-    group: int = 32
+    group: int | None = None
 
     def validate(self) -> None:
         super().validate()
         self._check_int("bits", 1, 8)
+        if self.group is None:
+            self._set("group", channel_group(32, self.head_dim))
         self._check_int("group", 1, self.head_dim)
         if self.head_dim % self.group:
             self._fail("group", f"a divisor of head_dim={self.head_dim}")

@@ -4,16 +4,24 @@ OCTOPUS (arXiv 2605.21226; ``shared/specs/octopus.md``) stores, per head vector 
 
 - gamma = ||k|| as float32 (spec 1.1), and u = k / gamma;
 - v = R u with R = H_d diag(s), s the +-1 signs of (seed, layer, kv_head) (1.2);
-- v zero-padded to 3 * ceil(d/3) and cut into triplets t (1.3), each split into its norm
-  rho = ||t|| and direction n = t / rho (n = (0,0,1) when rho = 0) (1.4);
+- v cut into triplets t (1.3), each split into its norm rho = ||t|| and direction
+  n = t / rho (n = (0,0,1) when rho = 0) (1.4). When 3 does not divide d, ``tail`` says what
+  happens to the last d mod 3 coordinates: ``"pad"`` zero-pads them into one more triplet (the
+  paper's choice, the default at power-of-two head_dim so published numbers stay reproducible);
+  ``"scalar"`` codes each with the b-bit Lloyd-Max codebook of one coordinate of a uniform unit
+  vector in d dimensions (the spec's alternative, same MSE; the default at other head_dims such
+  as 80 or 112, where it saves the padded triplet's bits);
 - n as the octahedral point (xi, eta) (1.5); xi and eta are quantised with the Lloyd-Max
   codebook of the exact octahedral marginal, rho with that of the triplet-norm law (1.6).
 
 Bits: (b+1, b+1, b-1) for (xi, eta, rho) by default, i.e. 3b+1 bits per triplet (1.7).
 
 Packing: one code per triplet, ``(i_xi << (eta_bits + rho_bits)) | (i_eta << rho_bits) | i_rho``,
-``ceil(d/3)`` codes per vector in the shared little-endian bitstream of
-:func:`kvq_core.layout.pack_codes`, each vector's row padded to whole bytes.
+``n_triplets`` codes per vector in the shared little-endian bitstream of
+:func:`kvq_core.layout.pack_codes`, each vector's row padded to whole bytes. A scalar tail's
+``d mod 3`` codes of ``bits`` bits follow the triplet codes in the same row (the field is then
+declared as a stream of 1-bit codes, ``n_triplets * triplet_bits + n_tail * bits`` long), so
+the row is padded to whole bytes once.
 
 Decisions where the paper is silent or open:
 
@@ -34,12 +42,14 @@ import dataclasses
 import numpy as np
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
-from kvq_core.math.codebooks import octahedral_codebook, triplet_norm_codebook
+from kvq_core.math.codebooks import coordinate_codebook, octahedral_codebook, triplet_norm_codebook
+from kvq_core.math.hadamard import is_power_of_two
 from kvq_core.math.octahedral import oct_decode
 from kvq_core.math.signs import random_signs
 from kvq_core.spec import MethodSpec
 
 _PART_BITS = (1, 8)
+TAILS = ("pad", "scalar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +68,7 @@ class OctopusSpec(MethodSpec):
     rounding: str = "joint"
     seed: int = 0
     values: str = "octopus"
+    tail: str | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -71,10 +82,19 @@ class OctopusSpec(MethodSpec):
         self._check_choice("rounding", ("plain", "joint"))
         self._check_int("seed", 0, 2**64 - 1)
         self._check_choice("values", ("octopus", "fp16"))
+        if self.tail is None:
+            self._set("tail", "pad" if is_power_of_two(self.head_dim) else "scalar")
+        self._check_choice("tail", TAILS)
 
     @property
     def n_triplets(self) -> int:
-        return -(-self.head_dim // 3)
+        """Triplet codes per vector: ceil(d/3) with a padded tail, floor(d/3) with a scalar one."""
+        return -(-self.head_dim // 3) if self.tail == "pad" else self.head_dim // 3
+
+    @property
+    def n_tail(self) -> int:
+        """Scalar-coded coordinates per vector (d mod 3 with ``tail="scalar"``, else 0)."""
+        return self.head_dim - 3 * self.n_triplets if self.tail == "scalar" else 0
 
     @property
     def triplet_bits(self) -> int:
@@ -82,10 +102,11 @@ class OctopusSpec(MethodSpec):
 
     def key_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
         lead = (batch, kv_heads, tokens)
-        return make_layout(
-            codes_field("codes", lead, self.n_triplets, self.triplet_bits),
-            float_field("norm", lead, "float32"),
-        )
+        if self.n_tail:
+            codes = codes_field("codes", lead, self.n_triplets * self.triplet_bits + self.n_tail * self.bits, 1)
+        else:
+            codes = codes_field("codes", lead, self.n_triplets, self.triplet_bits)
+        return make_layout(codes, float_field("norm", lead, "float32"))
 
     def value_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
         if self.values == "fp16":
@@ -93,7 +114,8 @@ class OctopusSpec(MethodSpec):
         return self.key_layout(batch, kv_heads, tokens)
 
     def constants(self, kv_heads: int, layer: int) -> dict[str, np.ndarray]:
-        """Signs (kv_heads, head_dim), float32 centroids/thresholds for xi, eta and rho, and
+        """Signs (kv_heads, head_dim), float32 centroids/thresholds for xi, eta, rho (and the
+        scalar tail), and
         ``directions``: the decoded unit direction of every (xi, eta) centroid pair, row
         ``i_xi * len(eta_codebook) + i_eta`` (float32, as the decoder computes it), so kernels
         look a direction up instead of evaluating the octahedral map per candidate."""
@@ -102,6 +124,8 @@ class OctopusSpec(MethodSpec):
             "eta": octahedral_codebook(self.eta_bits),
             "rho": triplet_norm_codebook(self.head_dim, self.rho_bits),
         }
+        if self.n_tail:
+            books["tail"] = coordinate_codebook(self.head_dim, self.bits)
         consts = {"signs": random_signs(self.seed, layer, kv_heads, self.head_dim)}
         for part, book in books.items():
             consts[f"{part}_codebook"] = book.centroids.astype(np.float32)

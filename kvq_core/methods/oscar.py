@@ -13,7 +13,7 @@ import numpy as np
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
 from kvq_core.math.hadamard import sylvester_hadamard
-from kvq_core.spec import MethodSpec
+from kvq_core.spec import MethodSpec, channel_group
 
 MIN_BITS, MAX_BITS = 2, 8
 MAX_KEY_GROUP = 1 << 20
@@ -50,7 +50,7 @@ class OscarSpec(MethodSpec):
         if self.key_group is None:
             self._set("key_group", default_group(self.bits))
         if self.value_group is None:
-            self._set("value_group", min(default_group(self.bits), self.head_dim))
+            self._set("value_group", channel_group(default_group(self.bits), self.head_dim))
         self._check_int("key_group", 1, MAX_KEY_GROUP)
         self._check_int("value_group", 1, self.head_dim)
         if self.head_dim % self.value_group:

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
 from kvq_core.methods.kivi import KiviSpec
-from kvq_core.spec import MethodSpec
+from kvq_core.spec import MethodSpec, channel_group
 
 MAX_SKETCH_DIM = 1 << 14
 SEED_MAX = 2**64 - 1
@@ -75,7 +75,8 @@ def sketches(seed: int, layer: int, kv_heads: int, m: int, d: int, kind: str) ->
 class QJLSpec(MethodSpec):
     """QJL with an m = ``sketch_dim`` row sketch for keys and KIVI-style INT values.
 
-    ``value_group`` defaults to min(32, head_dim) and must divide head_dim.
+    ``value_group`` defaults to 32 channels (fewer where 32 does not divide head_dim,
+    :func:`kvq_core.spec.channel_group`) and must divide head_dim.
     """
 
     method = "qjl"
@@ -95,7 +96,7 @@ class QJLSpec(MethodSpec):
         self._check_int("seed", 0, SEED_MAX)
         self._check_int("value_bits", 1, 8)
         if self.value_group is None:
-            self._set("value_group", min(32, self.head_dim))
+            self._set("value_group", channel_group(32, self.head_dim))
         self._check_int("value_group", 1, self.head_dim)
         if self.head_dim % self.value_group:
             self._fail("value_group", f"a divisor of head_dim={self.head_dim}")

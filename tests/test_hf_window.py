@@ -1,0 +1,58 @@
+"""Sliding-window layers in kvq codes: the eviction plan (plain integers) and, with the exact
+fp16 codec, the K/V and mask sizes a KVQLayer hands the model equal transformers'
+DynamicSlidingWindowLayer step for step, for both flush policies and any residual."""
+from __future__ import annotations
+
+import pytest
+
+from kvq_core.hf.window import Eviction, plan_eviction, view_start
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def test_view_start():
+    assert [view_start(n, 4) for n in (0, 1, 3, 4, 5, 10)] == [0, 0, 0, 1, 2, 7]
+    assert view_start(100, None) == 0
+
+
+@pytest.mark.parametrize(
+    ("blocks", "evicted", "target", "per_token", "expected"),
+    [
+        ((4, 4), 0, 0, True, Eviction(0, 0, 0)),  # nothing to drop
+        ((4, 4), 0, 4, False, Eviction(1, 0, 4)),  # exactly one whole block
+        ((4, 4), 0, 6, True, Eviction(1, 2, 6)),  # per-token: cut inside the second block
+        ((4, 4), 0, 6, False, Eviction(1, 0, 4)),  # token groups: the straddling block stays whole
+        ((4, 4), 0, 11, False, Eviction(2, 0, 11)),  # past every block: window tokens go too
+        ((3,), 5, 7, True, Eviction(0, 2, 7)),  # blocks start at the previous eviction
+        ((), 2, 9, False, Eviction(0, 0, 9)),
+    ],
+)
+def test_plan_eviction(blocks, evicted, target, per_token, expected):
+    assert plan_eviction(blocks, evicted, target, per_token) == expected
+
+
+@pytest.mark.parametrize("flush", ["block", "sliding"])
+@pytest.mark.parametrize("residual", [0, 1, 3, 8, 20])
+@pytest.mark.parametrize("window", [2, 5, 12])  # (window 1 hits a transformers slicing quirk: -0)
+def test_fp16_layer_matches_dynamic_sliding_window_layer(flush, residual, window):
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from kvq_core import make_spec
+    from kvq_core.hf import KVQLayer
+
+    spec = make_spec("fp16", head_dim=16, storage="float32")
+    ours = KVQLayer(spec, spec, layer_idx=0, backend="numpy", residual=residual, flush=flush, sliding_window=window,
+                    attention="dequant")
+    ref = DynamicSlidingWindowLayer(sliding_window=window)
+    g = torch.Generator().manual_seed(residual * 100 + window)
+    for step in (7, 1, 1, 3, 1, 1, 1, 9, 1, 1):
+        k, v = torch.randn(2, 2, step, 16, generator=g), torch.randn(2, 2, step, 16, generator=g)
+        assert ours.get_mask_sizes(step) == ref.get_mask_sizes(step)
+        got, want = ours.update(k, v), ref.update(k, v)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        assert ours.get_seq_length() == ref.get_seq_length()
+        stored = ours.cumulative_length - ours.evicted
+        assert stored == min(ours.cumulative_length, window - 1)  # per-token codec: exactly the window
+        assert ours.packed_length - ours.evicted == sum(ours.block_tokens)
