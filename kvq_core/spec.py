@@ -16,6 +16,7 @@ import numpy as np
 
 from kvq_core.errors import SpecError
 from kvq_core.layout import Layout
+from kvq_core.math.hadamard import is_power_of_two
 
 
 def channel_group(preferred: int, head_dim: int) -> int:
@@ -52,6 +53,15 @@ class MethodSpec:
     def validate(self) -> None:
         """Raise :class:`SpecError` for any out-of-range field. Subclasses extend this."""
         self.validate_head_dim()
+
+    def power_of_two_gap(self) -> str | None:
+        """Why kernels written for power-of-two head dims (one Hadamard block per head, no
+        layout parts that exist only at other head dims) cannot serve this spec, or None.
+
+        Compiled backends that support only the power-of-two layout answer ``supports`` with it."""
+        if not is_power_of_two(self.head_dim):
+            return f"head_dim={self.head_dim} is not a power of two (block-diagonal rotation)"
+        return None
 
     def validate_head_dim(self) -> None:
         """head_dim: a multiple of 16 (the rotations are Hadamard blocks of >= 16 coordinates,

@@ -37,6 +37,11 @@ def test_supports_names_what_is_missing() -> None:
     assert not ok and "head_dim" in why
     ok, why = supports(registry.make_spec("oscar"), "mps")
     assert not ok and "mps" in why
+    ok, why = supports(registry.make_spec("oscar", head_dim=96), "cpu")
+    assert not ok and "head_dim=96" in why  # block-diagonal rotations: the reference/torch serve them
+    ok, why = supports(registry.make_spec("octopus", tail="scalar"), "cpu")
+    assert not ok and "tail='scalar'" in why
+    assert registry.select_backend(registry.make_spec("oscar", head_dim=96), "cpu") != "numba"
 
 
 def test_auto_picks_numba_on_cpu_only_where_supported() -> None:

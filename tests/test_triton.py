@@ -49,6 +49,8 @@ def test_supports_names_what_is_unsupported() -> None:
     assert not ok and "high_bits_coords=16" in why
     ok, why = supports(registry.make_spec("oscar"), "mps")
     assert not ok and "'mps'" in why
+    ok, why = supports(registry.make_spec("kivi", head_dim=80), "cuda")
+    assert not ok and "head_dim=80" in why
 
 
 def test_conformance_under_interpreter() -> None:

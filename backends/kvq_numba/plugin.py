@@ -52,6 +52,9 @@ def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
     kind = _device_kind(device)
     if spec.method not in KERNELS:
         return False, f"numba has no kernels for method {spec.method!r}; it implements {', '.join(sorted(KERNELS))}"
+    gap = spec.power_of_two_gap()
+    if gap:
+        return False, f"numba's kernels take the power-of-two layout only: {gap}"
     if spec.method == "octopus" and spec.triplet_bits > MAX_TRIPLET_BITS:
         return False, (f"numba reads a triplet code from 3 bytes: triplet bits (xi+eta+rho) up to {MAX_TRIPLET_BITS}, "
                        f"not {spec.triplet_bits}")

@@ -67,6 +67,9 @@ def is_available() -> tuple[bool, str | None]:
 
 def _method_limits(spec: MethodSpec) -> str | None:
     """Why the kernels cannot serve this spec's parameters, or None."""
+    gap = spec.power_of_two_gap()
+    if gap:
+        return f"the Triton kernels take the power-of-two layout only (tl.arange sizes): {gap}"
     if spec.head_dim > MAX_HEAD_DIM:
         return f"head_dim={spec.head_dim} (the Triton kernels hold a head in registers: head_dim <= {MAX_HEAD_DIM})"
     if spec.method == "turboquant" and spec.high_bits_coords:

@@ -86,6 +86,11 @@ class OctopusSpec(MethodSpec):
             self._set("tail", "pad" if is_power_of_two(self.head_dim) else "scalar")
         self._check_choice("tail", TAILS)
 
+    def power_of_two_gap(self) -> str | None:
+        """Also the padded triplet tail: a scalar-coded tail is a layout part of its own."""
+        gap = super().power_of_two_gap()
+        return gap or (f"tail={self.tail!r} (only the padded triplet tail)" if self.tail != "pad" else None)
+
     @property
     def n_triplets(self) -> int:
         """Triplet codes per vector: ceil(d/3) with a padded tail, floor(d/3) with a scalar one."""
