@@ -2,7 +2,8 @@
 
 One engine per process: vLLM caches its backend choice per process, and the tests and the
 benchmark compare engines, so each runs as ``python -m kvq_vllm.generate '<json job>'``,
-which prints one line ``KVQ_RESULT {...}``. :func:`run_job` starts that process.
+which prints one line ``KVQ_RESULT {...}``. :class:`Job` starts that process (several may run
+at once: loading is mostly single-threaded imports), :func:`run_job` starts one and waits.
 
 A job: ``{"model": dir, "kvq": {...} or null, "prompts": [...], "max_tokens": 16,
 "engine": {extra LLM kwargs}, "repeat": [prompt indices to run again alone, after the batch]}``.
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -83,16 +85,39 @@ def _engine_facts(worker: Any) -> dict[str, Any]:
     return {"backend": f"{backend.__module__}.{backend.__qualname__}", "bytes_per_token": per_token}
 
 
-def run_job(job: dict[str, Any], *, timeout: float = 600, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``job`` in a fresh interpreter (this one's), returning its result; raise with the log on failure."""
-    base = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "kvq_vllm.generate", json.dumps(job)], capture_output=True,
-                          text=True, timeout=timeout, env=base)
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    raise RuntimeError(f"vLLM job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+class Job:
+    """One engine job running in a fresh interpreter (this one's); several may run at once."""
+
+    def __init__(self, job: dict[str, Any], *, env: dict[str, str] | None = None) -> None:
+        base = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
+        # Files, not pipes: a job blocked on a full pipe would wait for the jobs read before it.
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvq_vllm.generate", json.dumps(job)],
+                                     stdout=self.out, stderr=self.err, text=True, env=base)
+
+    def result(self, timeout: float = 900) -> dict[str, Any]:
+        """The job's result; raises with the end of its log when it failed."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        out, err = (self._read(f) for f in (self.out, self.err))
+        for line in out.splitlines():
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        raise RuntimeError(f"vLLM job failed (exit {self.proc.returncode}):\n{out[-3000:]}\n{err[-6000:]}")
+
+    @staticmethod
+    def _read(f: Any) -> str:
+        f.seek(0)
+        return f.read()
+
+
+def run_job(job: dict[str, Any], *, timeout: float = 900, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``job`` in a fresh interpreter and return its result."""
+    return Job(job, env=env).result(timeout)
 
 
 if __name__ == "__main__":
