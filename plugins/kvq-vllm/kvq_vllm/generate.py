@@ -7,9 +7,10 @@ at once: loading is mostly single-threaded imports), :func:`run_job` starts one 
 
 A job: ``{"model": dir, "kvq": {...} or null, "prompts": [...], "max_tokens": 16,
 "engine": {extra LLM kwargs}, "repeat": [prompt indices to run again alone, after the batch]}``.
-The result: per batch output ``text``, ``token_ids``, ``prompt_tokens``, ``num_cached_tokens``; the KV capacity
-vLLM reports (``kv_blocks``, ``block_size``, ``kv_tokens``); ``kv_bytes_per_token`` (all layers);
-``seconds`` of the batch and ``tokens_per_s`` (generated tokens over that wall time, prefill included); ``preemptions``; ``backend`` (the attention backend class).
+The result: per batch output ``text``, ``token_ids``, ``prompt_tokens``, ``num_cached_tokens``;
+the KV capacity vLLM reports (``kv_blocks``, ``block_size``, ``kv_tokens``); ``kv_bytes_per_token``
+(all layers); ``seconds`` of the batch and ``tokens_per_s`` (generated tokens over that wall time,
+prefill included); ``preemptions``; ``backend`` (the attention backend class in use).
 """
 from __future__ import annotations
 
