@@ -13,7 +13,8 @@
 Every token, including the step's own, is attended from its stored code, so a request's
 output does not depend on how its prompt was chunked, cached or recomputed.
 Not supported (a clear error at engine start): sliding windows, ALiBi, logit soft-capping,
-attention sinks, encoder attention, quantized ``kv_cache_dtype``, CUDA graphs.
+attention sinks, encoder attention, quantized ``kv_cache_dtype``, CUDA graphs; head dims are those
+the kvq spec accepts.
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ class KVQAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
-        return head_size >= 16 and head_size & (head_size - 1) == 0  # kvq's rotations: powers of two
+        """Multiples of 16; the codec's spec has the last word (a SpecError naming head_dim at start)."""
+        return head_size >= 16 and head_size % 16 == 0
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:

@@ -36,3 +36,4 @@ def test_with_kvq_settings_cpu_attn_is_kvq_with_packed_pages(monkeypatch: pytest
     packed = backend.customize_spec(spec)
     assert packed.dtype == torch.uint8 and packed.state_content_bytes == 2 * (28 + 4)
     assert spec.page_size_bytes / packed.page_size_bytes == 8.0
+    assert [backend.supports_head_size(d) for d in (64, 96, 128, 72, 8)] == [True, True, True, False, False]
