@@ -1,0 +1,39 @@
+"""What vLLM's CPU_ATTN entry resolves to with the plugin installed (needs vLLM; no engine)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+from kvq_vllm import config, plugin  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "_seen", [])
+    monkeypatch.delenv(config.ENV, raising=False)
+    plugin.register()
+
+
+def test_entries_point_at_the_plugin() -> None:
+    assert AttentionBackendEnum.CUSTOM.get_path() == "kvq_vllm.backend.KVQAttentionBackend"
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == "kvq_vllm.select.CPUBackend"
+
+
+def test_without_kvq_settings_cpu_attn_is_vllms_own() -> None:
+    assert AttentionBackendEnum.CPU_ATTN.get_class().__name__ == "CPUAttentionBackend"
+
+
+def test_with_kvq_settings_cpu_attn_is_kvq_with_packed_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    monkeypatch.setenv(config.ENV, '{"method": "octopus", "bits": 3}')
+    backend = AttentionBackendEnum.CPU_ATTN.get_class()
+    assert backend.__name__ == "KVQAttentionBackend" and backend.get_name() == "CUSTOM"
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    packed = backend.customize_spec(spec)
+    assert packed.dtype == torch.uint8 and packed.state_content_bytes == 2 * (28 + 4)
+    assert spec.page_size_bytes / packed.page_size_bytes == 8.0
+    assert [backend.supports_head_size(d) for d in (64, 96, 128, 72, 8)] == [True, True, True, False, False]
