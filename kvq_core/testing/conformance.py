@@ -26,6 +26,10 @@ it checks, against the reference backend (``"numpy"`` unless told otherwise):
    input whose stored fields would overflow (|x| ~ 1e6 past float16) raises InputError or decodes finite;
    nonzero input whose stored fields would underflow (|x| ~ 1e-30) raises InputError or decodes nonzero.
 
+A drawn case whose spec the backend's ``supports(spec, device)`` refuses (e.g. a compiled backend
+that serves only power-of-two layouts) is skipped and counted in ``MethodReport.unsupported``;
+a method of which no case is served fails.
+
 Tie rule (how "the pre-rounding value lies within the tie tolerance of a decision boundary" is
 decided, for every method alike, including normalising codecs where a global rescale changes
 nothing): the reference encodes :data:`TIE_RUNS` copies of the input, each element multiplied by
@@ -111,6 +115,7 @@ class MethodReport:
     tie_mismatches: int = 0
     max_decode_err: float = 0.0
     max_attend_err: float = 0.0
+    unsupported: int = 0
     failure: str | None = None
 
     @property
@@ -121,7 +126,8 @@ class MethodReport:
         status = "ok" if self.ok else "FAIL"
         return (f"{self.backend:>16} {self.method:<16} {status:4} examples={self.examples:<4} "
                 f"codes={self.codes_compared:<9} ties={self.tie_mismatches:<5} "
-                f"decode_err={self.max_decode_err:.2e} attend_err={self.max_attend_err:.2e}")
+                f"decode_err={self.max_decode_err:.2e} attend_err={self.max_attend_err:.2e} "
+                f"unsupported={self.unsupported}")
 
 
 @dataclasses.dataclass
@@ -522,6 +528,14 @@ def check_method(
     if ties:
         check_ties(backend, method, reference=reference, to_backend=to_backend, head_dim=head_dims[0],
                    kv_heads=kv_heads[-1], gqa=gqa[-1], q_len=q_lens[0], report=report)
+    device = _device_of(backend, to_backend)
+
+    def served(case: Case) -> bool:
+        """Cases whose spec the backend's ``supports`` refuses are counted, not checked."""
+        ok = registry.supports(backend, case.spec, device)[0]
+        report.unsupported += not ok
+        return ok
+
     if edge_cases:
         specs = fixed_spec_list(method, head_dims[0], spec_params, fixed_specs)
         for i, ex in enumerate(EDGE_CASES):
@@ -530,17 +544,34 @@ def check_method(
             t = ex["tokens"] if tokens is None else tokens[i % len(tokens)]
             case = Case(specs[i % len(specs)], batch=batches[0], kv_heads=kv_heads[-1], tokens=t, gqa=gqa[-1],
                         q_len=q_lens[0], dtype=ex["dtype"], regime=ex["regime"], seed=1234 + i, layer=ex["layer"])
-            check_case(backend, case, reference=reference, to_backend=to_backend, report=report, exact_codes=exact_codes)
+            if served(case):
+                check_case(backend, case, reference=reference, to_backend=to_backend, report=report,
+                           exact_codes=exact_codes)
     if max_examples > 0:
         @settings(max_examples=max_examples, deadline=None, derandomize=derandomize, database=None,
                   suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate, Phase.shrink],
                   print_blob=True)
         @given(case=strategy)
         def run(case: Case) -> None:
-            check_case(backend, case, reference=reference, to_backend=to_backend, report=report, exact_codes=exact_codes)
+            if served(case):
+                check_case(backend, case, reference=reference, to_backend=to_backend, report=report,
+                           exact_codes=exact_codes)
 
         run()
+    if report.examples == 0 and (edge_cases or max_examples > 0):
+        raise ConformanceError(f"{backend}/{method}: the backend's supports() refused all {report.unsupported} "
+                               "drawn cases; nothing was checked (restrict the draw to what it serves)")
     return report
+
+
+def _device_of(backend: str, to_backend: Callable[[np.ndarray], Any] | None) -> str | None:
+    """The device type the suite's inputs land on for ``backend`` (None: host arrays)."""
+    arrays = registry.backend_info(backend).arrays
+    device_of = getattr(arrays, "device_of", None)
+    if device_of is None:
+        return None
+    probe = np.zeros((1, 1, 1, 16), np.float32)
+    return device_of(to_backend(probe) if to_backend else arrays.asarray(probe))
 
 
 def check_backend(backend: str, methods: Iterable[str] | None = None, **kwargs: Any) -> ConformanceReport:

@@ -61,7 +61,7 @@ SPEC_PARAMS: dict[str, dict[str, Sequence[Any]]] = {
     "kivi": {"bits": (1, 2, 3, 4, 8), "group": (16, 32, 64)},
     "quarot": {"bits": (2, 3, 4, 8), "rotation": (True, False), "clip_ratio": (1.0, 0.9)},
     "octopus": {"bits": (2, 3, 4), "xi_bits": (None, 2, 4), "eta_bits": (None, 3), "rho_bits": (None, 2),
-                "rounding": ("joint", "plain"), "values": ("octopus", "fp16"), "seed": (0, 7)},
+                "rounding": ("joint", "plain"), "values": ("octopus", "fp16"), "seed": (0, 7), "tail": ("pad", "scalar")},
     "turboquant": {"bits": (1, 2, 3, 4), "rotation": ("hadamard", "haar"), "norm_correction": (False, True),
                    "high_bits_coords": (0, 16), "seed": (0, 3)},
     "turboquant_prod": {"bits": (2, 3, 4), "rotation": ("hadamard", "haar"), "sketch": ("gaussian", "orthogonal"),
