@@ -94,8 +94,9 @@ def unpack_codes(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return (stream << np.arange(bits, dtype=np.int64)).sum(axis=-1)
 
 
-def _to_numpy(x: Any) -> np.ndarray:
-    """NumPy view of a backend array (torch tensors are detached and moved to the CPU)."""
+def to_host(x: Any) -> np.ndarray:
+    """NumPy view of a host or torch array (torch tensors are detached and moved to the CPU;
+    bfloat16, which NumPy lacks, is widened exactly to float32)."""
     if hasattr(x, "detach"):
         x = x.detach().cpu()
         if str(x.dtype) == "torch.bfloat16":
@@ -171,7 +172,7 @@ class PackedKV:
             "shape": list(self.shape),
             "layer": self.layer,
             "dtype": self.dtype,
-            "fields": {k: _to_numpy(v) for k, v in self.fields.items()},
+            "fields": {k: to_host(v) for k, v in self.fields.items()},
         }
 
     @classmethod
@@ -257,7 +258,7 @@ def concat_tokens(parts: "list[PackedKV]", arrays: Any = None) -> PackedKV:
     fields = {}
     for name in first.fields:
         xs = [p.fields[name] for p in parts]
-        fields[name] = join(xs, 2) if join else np.concatenate([_to_numpy(x) for x in xs], axis=2)
+        fields[name] = join(xs, 2) if join else np.concatenate([to_host(x) for x in xs], axis=2)
     tokens = sum(p.shape[2] for p in parts)
     out = dataclasses.replace(first, shape=(first.shape[0], first.shape[1], tokens, first.shape[3]), fields=fields)
     out.validate()

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from kvq_core.layout import to_host
+
 
 def is_cuda_input(x: Any) -> bool:
     """True for device arrays (real or the numba CUDA simulator's), False for host arrays."""
@@ -21,19 +23,9 @@ def is_cuda_input(x: Any) -> bool:
     return cuda is not None and bool(cuda.devicearray.is_cuda_ndarray(x))
 
 
-def _host(x: Any) -> np.ndarray:
-    """A host NumPy view (torch CPU tensors: no copy, except bfloat16 widened to float32)."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu()
-        if str(x.dtype) == "torch.bfloat16":
-            x = x.float()
-        return x.numpy()
-    return np.asarray(x)
-
-
 def as_float32(x: Any) -> np.ndarray:
     """Host input as a C-contiguous float32 array (no copy when it already is one)."""
-    return np.ascontiguousarray(_host(x), dtype=np.float32)
+    return np.ascontiguousarray(to_host(x), dtype=np.float32)
 
 
 class NumbaArrays:
@@ -42,18 +34,18 @@ class NumbaArrays:
     def asarray(self, x: Any) -> Any:
         if is_cuda_input(x):
             return x
-        return _host(x)
+        return to_host(x)
 
     def to_numpy(self, x: Any) -> np.ndarray:
         if is_cuda_input(x):
             if hasattr(x, "copy_to_host"):
                 return x.copy_to_host()
             if hasattr(x, "detach"):
-                return _host(x)
+                return to_host(x)
             from numba import cuda
 
             return cuda.as_cuda_array(x).copy_to_host()
-        return _host(x)
+        return to_host(x)
 
     def all_finite(self, x: Any) -> bool:
         return bool(np.isfinite(self.to_numpy(x)).all())
@@ -77,4 +69,4 @@ class NumbaArrays:
             from numba import cuda
 
             return cuda.to_device(np.concatenate([self.to_numpy(x) for x in xs], axis=axis))
-        return np.concatenate([_host(x) for x in xs], axis=axis)
+        return np.concatenate([to_host(x) for x in xs], axis=axis)

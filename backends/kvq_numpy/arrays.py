@@ -5,16 +5,14 @@ from typing import Any
 
 import numpy as np
 
+from kvq_core.layout import to_host
+
 
 class NumpyArrays:
     """Accepts NumPy arrays (and anything ``np.asarray`` takes, e.g. CPU torch tensors)."""
 
     def asarray(self, x: Any) -> np.ndarray:
-        if hasattr(x, "detach"):  # a torch tensor: bfloat16 has no NumPy dtype, widen it
-            x = x.detach().cpu()
-            x = x.float() if str(x.dtype) == "torch.bfloat16" else x
-            return x.numpy()
-        return np.asarray(x)
+        return to_host(x)  # a torch tensor: detached, on the CPU, bfloat16 widened to float32
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return self.asarray(x)
