@@ -105,6 +105,14 @@ def to_host(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def host_all_finite(a: np.ndarray) -> bool:
+    """True when the host array ``a`` holds no NaN or Inf. float16 is tested on its exponent bits
+    (NumPy's float16 ``isfinite`` is scalar code, slower than a compiled encode of the block)."""
+    if a.dtype == np.float16:
+        return not bool(np.any((np.ascontiguousarray(a).view(np.uint16) & 0x7C00) == 0x7C00))
+    return bool(np.isfinite(a).all())
+
+
 _spec_resolver: "Callable[[Mapping[str, Any]], MethodSpec] | None" = None
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvq_core.layout import to_host
+from kvq_core.layout import host_all_finite, to_host
 
 
 def is_cuda_input(x: Any) -> bool:
@@ -48,7 +48,7 @@ class NumbaArrays:
         return to_host(x)
 
     def all_finite(self, x: Any) -> bool:
-        return bool(np.isfinite(self.to_numpy(x)).all())
+        return host_all_finite(self.to_numpy(x))
 
     def cast(self, x: Any, dtype: str) -> Any:
         """``x`` as ``dtype`` (bfloat16, which NumPy lacks, stays float32), on the device it came from."""

@@ -6,8 +6,10 @@ Per (batch, KV head), for the query rows that share the head (GQA folded into ro
 - each key token group folds its per-channel scale into the queries once (``qs = q * s``) and its
   offsets into one bias per row (``q . o``), so a key code row costs one dot product per row;
 - code rows are unpacked once per KV head and reused by all its query rows;
-- online softmax over blocks of :data:`BLOCK` tokens with a vectorisable exp; a block's value rows
-  are dequantized once and accumulated as a small ``P @ V``, two rows by two tokens per pass.
+- online softmax over blocks of :data:`BLOCK` tokens with a vectorisable exp;
+- value codes are never dequantized: each token's weight times its group scale multiplies the
+  unpacked codes (a small ``P @ V``, four rows by two tokens per pass), and the group offsets add
+  ``sum_i p_i * offset_i`` once per row and group at the end.
 
 Each step is its own small function with plain loops: LLVM vectorises those (one large loop nest
 defeated it). ``fastmath`` lets it reassociate the dot products; the conformance tolerances bound
@@ -96,8 +98,9 @@ def _logits(qs, kbuf, n, bias, tok, p) -> None:
 
 
 @njit(fastmath=True, cache=True)
-def _online_softmax(p, n, m, l, acc, ebits) -> None:
-    """Online softmax step: logits ``p[:, :n]`` become weights; running max/sum/output rescaled.
+def _online_softmax(p, n, m, l, acc, vbias, ebits) -> None:
+    """Online softmax step: logits ``p[:, :n]`` become weights; running max/sum/output (``acc``
+    and the per-row value-offset sums ``vbias``) rescaled.
 
     The exp runs over the whole (contiguous) ``p`` buffer in one vectorised call; entries past
     ``n`` hold stale finite values and are never read as weights.
@@ -116,6 +119,8 @@ def _online_softmax(p, n, m, l, acc, ebits) -> None:
             a = acc[r]
             for c in range(d):
                 a[c] *= corr
+            for g in range(vbias.shape[1]):
+                vbias[r, g] *= corr
     flat = p.reshape(p.size)
     _exp_nonpositive(flat, flat, ebits)
     for r in range(nr):
@@ -126,41 +131,65 @@ def _online_softmax(p, n, m, l, acc, ebits) -> None:
 
 
 @njit(fastmath=True, cache=True)
-def _dequant_values(vgrp, n, s, o) -> None:
-    """In place: code rows ``vgrp[i, g, :]`` -> ``code * s[i, g] + o[i, g]``."""
-    ng, group = vgrp.shape[1], vgrp.shape[2]
-    for i in range(n):
-        for g in range(ng):
-            si = s[i, g]
-            oi = o[i, g]
-            for c in range(group):
-                vgrp[i, g, c] = vgrp[i, g, c] * si + oi
+def _value_offsets(p, n, vo, vbias) -> None:
+    """``vbias[r, g] += sum_i p[r, i] * vo[i, g]``: the value offsets' share of the output."""
+    nr, ng = vbias.shape
+    for r in range(nr):
+        for i in range(n):
+            w = p[r, i]
+            for g in range(ng):
+                vbias[r, g] += w * vo[i, g]
 
 
 @njit(fastmath=True, cache=True)
-def _accumulate(p, vbuf, n, acc) -> None:
-    """``acc[r] += sum_i p[r, i] * vbuf[i]``: two rows by two tokens per pass over d."""
+def _accumulate(p, vbuf, n, vs, acc) -> None:
+    """``acc[r, c] += sum_i p[r, i] * vs[i, g(c)] * vbuf[i, c]``, with ``vs`` [>= n, groups] one
+    scale per token and channel group (``g(c) = c // (d // groups)``), so value codes are never
+    dequantized. Four rows by two tokens per pass over a group: each value load feeds 8 FMAs.
+
+    Groups are addressed as views (``[rows, groups, group]``) so every index is a loop counter
+    from 0: computed offsets would get numba's negative-index fix-up, which blocks vectorising.
+    """
     nr, d = acc.shape
-    for r0 in range(0, nr - 1, 2):
-        a = acc[r0]
-        b = acc[r0 + 1]
-        for i0 in range(0, n, 2):
-            i1 = min(i0 + 1, n - 1)
-            wa0 = p[r0, i0]
-            wb0 = p[r0 + 1, i0]
-            wa1 = p[r0, i1] if i1 > i0 else np.float32(0)
-            wb1 = p[r0 + 1, i1] if i1 > i0 else np.float32(0)
-            v0 = vbuf[i0]
-            v1 = vbuf[i1]
-            for c in range(d):
-                a[c] += wa0 * v0[c] + wa1 * v1[c]
-                b[c] += wb0 * v0[c] + wb1 * v1[c]
-    if nr % 2:
-        a = acc[nr - 1]
-        for i in range(n):
-            w = p[nr - 1, i]
-            v = vbuf[i]
-            for c in range(d):
+    ng = vs.shape[1]
+    gs = d // ng
+    acc3 = acc.reshape((nr, ng, gs))
+    v3 = vbuf.reshape((vbuf.shape[0], ng, gs))
+    n2 = n - n % 2
+    for r0 in range(0, nr - nr % 4, 4):
+        for g in range(ng):
+            a0, a1, a2, a3 = acc3[r0, g], acc3[r0 + 1, g], acc3[r0 + 2, g], acc3[r0 + 3, g]
+            for i0 in range(0, n2, 2):
+                v0, v1 = v3[i0, g], v3[i0 + 1, g]
+                s0, s1 = vs[i0, g], vs[i0 + 1, g]
+                w00, w01 = p[r0, i0] * s0, p[r0, i0 + 1] * s1
+                w10, w11 = p[r0 + 1, i0] * s0, p[r0 + 1, i0 + 1] * s1
+                w20, w21 = p[r0 + 2, i0] * s0, p[r0 + 2, i0 + 1] * s1
+                w30, w31 = p[r0 + 3, i0] * s0, p[r0 + 3, i0 + 1] * s1
+                for c in range(gs):
+                    x = v0[c]
+                    y = v1[c]
+                    a0[c] += w00 * x + w01 * y
+                    a1[c] += w10 * x + w11 * y
+                    a2[c] += w20 * x + w21 * y
+                    a3[c] += w30 * x + w31 * y
+    for r in range(nr - nr % 4, nr):
+        _accumulate_row(p[r], v3, 0, n2, vs, acc3[r])
+    if n2 < n:
+        for r in range(nr):
+            _accumulate_row(p[r], v3, n2, n, vs, acc3[r])
+
+
+@njit(fastmath=True, cache=True)
+def _accumulate_row(pr, v3, i_lo, i_hi, vs, a3) -> None:
+    """One row of :func:`_accumulate` (``a3`` [groups, group]) over tokens ``i_lo .. i_hi``."""
+    ng, gs = a3.shape
+    for g in range(ng):
+        a = a3[g]
+        for i in range(i_lo, i_hi):
+            w = pr[i] * vs[i, g]
+            v = v3[i, g]
+            for c in range(gs):
                 a[c] += w * v[c]
 
 
@@ -191,9 +220,9 @@ def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale
         ko = np.empty(d, np.float32)
         kbuf = np.empty((BLOCK, d), np.float32)
         vbuf = np.empty((BLOCK, d), np.float32)
-        vgrp = vbuf.reshape((BLOCK, nvg, vgroup))  # the same memory, by channel group
-        vs = np.empty(BLOCK * nvg, np.float32)
-        vo = np.empty(BLOCK * nvg, np.float32)
+        vs = np.empty((BLOCK, nvg), np.float32)
+        vo = np.empty((BLOCK, nvg), np.float32)
+        vbias = np.zeros((nr, nvg), np.float32)
         p = np.zeros((nr, BLOCK), np.float32)
         tok = np.empty(BLOCK, np.float32)
         ebits = np.empty(nr * BLOCK, np.int32)
@@ -210,23 +239,22 @@ def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale
                 for i in range(n):
                     tok[i] = scale * knorm[b, t0 + i] if use_norm else scale
                 _logits(qs, kbuf, n, bias, tok, p)
-                _online_softmax(p, n, m, l, acc, ebits)
+                _online_softmax(p, n, m, l, acc, vbias, ebits)
                 unpack_rows(vcodes[b, h], t0, n, bits, d, vbuf)
-                halves_to_floats(vsc[t0 * nvg:(t0 + n) * nvg], vs[:n * nvg])
-                halves_to_floats(voc[t0 * nvg:(t0 + n) * nvg], vo[:n * nvg])
-                _dequant_values(vgrp, n, vs.reshape((BLOCK, nvg)), vo.reshape((BLOCK, nvg)))
-                _accumulate(p, vbuf, n, acc)
+                halves_to_floats(vsc[t0 * nvg:(t0 + n) * nvg], vs.reshape(BLOCK * nvg)[:n * nvg])
+                halves_to_floats(voc[t0 * nvg:(t0 + n) * nvg], vo.reshape(BLOCK * nvg)[:n * nvg])
+                _value_offsets(p, n, vo, vbias)
+                _accumulate(p, vbuf, n, vs, acc)
         for r in range(nr):
             inv = np.float32(1) / l[r]
             for c in range(d):
-                out[b, h, r, c] = acc[r, c] * inv
+                out[b, h, r, c] = (acc[r, c] + vbias[r, c // vgroup]) * inv
             lse[b, h, r] = m[r] + np.log(l[r])
     return out, lse
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, eta_bits, rho_bits, n_eta,
-                   rho_cb, dirs, scale):
+def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
     """OCTOPUS attention of rotated queries ``q`` float32 [b, hk, rows, d] over triplet codes.
 
     Keys: logit = gamma_t * <q, v_hat_t> * scale with v_hat_t decoded once per KV head and block.
@@ -245,6 +273,8 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
         l = np.zeros(nr, np.float32)
         acc = np.zeros((nr, d), np.float32)
         zero_bias = np.zeros(nr, np.float32)
+        no_vbias = np.zeros((nr, 0), np.float32)
+        vgain = np.ones((BLOCK, 1), np.float32)  # per-token value scale: gamma, or 1 for float16 rows
         kbuf = np.empty((BLOCK, d), np.float32)
         vbuf = np.empty((BLOCK, d), np.float32)
         cbuf = np.empty((BLOCK, ntrip), np.int32)
@@ -253,21 +283,19 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
         ebits = np.empty(nr * BLOCK, np.int32)
         for t0 in range(0, nt, BLOCK):
             n = min(BLOCK, nt - t0)
-            decode_rows(kcodes[b, h], t0, n, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, cbuf, kbuf)
+            decode_rows(kcodes[b, h], t0, n, bits, table, cbuf, kbuf)
             for i in range(n):
                 tok[i] = scale * kgamma[b, h, t0 + i]
             _logits(q[b, h], kbuf, n, zero_bias, tok, p)
-            _online_softmax(p, n, m, l, acc, ebits)
+            _online_softmax(p, n, m, l, acc, no_vbias, ebits)
             if values_fp16:
                 for i in range(n):
                     halves_to_floats(vhalf[b, h, t0 + i], vbuf[i])
             else:
-                decode_rows(vcodes[b, h], t0, n, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, cbuf, vbuf)
+                decode_rows(vcodes[b, h], t0, n, bits, table, cbuf, vbuf)
                 for i in range(n):
-                    g = vgamma[b, h, t0 + i]
-                    for c in range(d):
-                        vbuf[i, c] *= g
-            _accumulate(p, vbuf, n, acc)
+                    vgain[i, 0] = vgamma[b, h, t0 + i]
+            _accumulate(p, vbuf, n, vgain, acc)
         for r in range(nr):
             inv = np.float32(1) / l[r]
             for c in range(d):

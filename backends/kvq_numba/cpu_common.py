@@ -188,35 +188,65 @@ def unpack_rows(codes, t0, n, bits, count, out) -> None:
                 nacc -= bits
 
 
-#: rows transformed together by :func:`fwht_rows` (one vector register of float32 on AVX-512)
-FWHT_ROWS = 16
+#: rows transformed together by :func:`fwht_block`
+FWHT_ROWS = 32
+#: rows per slab that the callers of :func:`fwht_block` prepare at once (bounded scratch)
+CHUNK = 1024
 
 
-@njit(inline="always", cache=True)
-def fwht_rows(x, t0, n, inv_sqrt_d, y, tb) -> None:
-    """``y[t0:t0+n] = x[t0:t0+n] H`` (orthonormal Sylvester) for rows of 2-D float32 ``x`` [t, d].
+@njit(cache=True)
+def fwht_block(x, y, inv_sqrt_d) -> None:
+    """``y = x H`` (orthonormal Sylvester) for the rows of 2-D float32 ``x`` [n, d] (``y`` may be ``x``).
 
-    The rows are transposed into ``tb`` [d, FWHT_ROWS] so every butterfly is a contiguous vector
-    operation across rows; each element sees the reference's float32 operations in its order
-    (``a + b``, ``a - b`` per stage, then ``* inv_sqrt_d``), so the result is bitwise the same.
+    Blocks of :data:`FWHT_ROWS` rows are transposed to [d, rows] so every butterfly is a vector
+    operation across rows, from one scratch block into the other, on row views indexed from 0. The
+    row count is a run-time value (``min(FWHT_ROWS, n)``): a compile-time constant lets LLVM unroll
+    the row loop instead of vectorising it, and computed offsets get numba's negative-index fix-up;
+    either made this 2-3x slower. Each element sees the reference's float32 operations in its
+    order (``a + b``, ``a - b`` per stage, then ``* inv_sqrt_d``), so the result is bitwise the same.
     """
-    d = x.shape[1]
-    for c in range(d):
-        for i in range(n):
-            tb[c, i] = x[t0 + i, c]
-    h = 1
-    while h < d:
-        for base in range(0, d, 2 * h):
-            for j in range(base, base + h):
-                for i in range(FWHT_ROWS):
-                    u = tb[j, i]
-                    v = tb[j + h, i]
-                    tb[j, i] = u + v
-                    tb[j + h, i] = u - v
-        h *= 2
-    for i in range(n):
-        for c in range(d):
-            y[t0 + i, c] = tb[c, i] * inv_sqrt_d
+    n, d = x.shape
+    rows = min(FWHT_ROWS, n)
+    ta = np.empty((d, rows), np.float32)
+    tb = np.empty((d, rows), np.float32)
+    for t0 in range(0, n, rows):
+        m = min(rows, n - t0)
+        for i in range(m):
+            xr = x[t0 + i]
+            for c in range(d):
+                ta[c, i] = xr[c]
+        src, dst = ta, tb
+        h = 1
+        while h < d:
+            for base in range(0, d, 2 * h):
+                for j in range(base, base + h):
+                    sa = src[j]
+                    sb = src[j + h]
+                    da = dst[j]
+                    db = dst[j + h]
+                    for i in range(rows):
+                        da[i] = sa[i] + sb[i]
+                    for i in range(rows):
+                        db[i] = sa[i] - sb[i]
+            src, dst = dst, src
+            h *= 2
+        for i in range(m):
+            yr = y[t0 + i]
+            for c in range(d):
+                yr[c] = src[c, i] * inv_sqrt_d
+
+
+def fwht_heads(x: np.ndarray, y: np.ndarray, inv_sqrt_d: np.float32) -> np.ndarray:
+    """``y[b, h] = x[b, h] H`` for every [t, d] slab of C-contiguous float32 arrays [b, h, t, d]
+    (``y`` may be ``x``); returns ``y``.
+
+    :func:`fwht_block` is called from Python once per slab on purpose: compiled into an ``@njit``
+    caller, LLVM inlines it and its vector loops ran about 2x slower.
+    """
+    for b in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            fwht_block(x[b, h], y[b, h], inv_sqrt_d)
+    return y
 
 
 def inv_sqrt(d: int) -> np.float32:

@@ -72,20 +72,25 @@ def encode_channel_groups(x, bits, group, zero_mode):
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
         row = np.empty(d, np.uint8)
+        rowg = row.reshape((ng, group))
         for t in range(nt):
-            xr = x[b, h, t]
+            xg = x[b, h, t].reshape((ng, group))  # group views: loop indices from 0 vectorise
             for g in range(ng):
-                c0 = g * group
-                mn = xr[c0]
-                mx = xr[c0]
-                for c in range(c0 + 1, c0 + group):
-                    mn = min(mn, xr[c])
-                    mx = max(mx, xr[c])
+                xv = xg[g]
+                rv = rowg[g]
+                mn = xv[0]
+                mx = xv[0]
+                for c in range(1, group):
+                    mn = min(mn, xv[c])
+                    mx = max(mx, xv[c])
                 s, zq, off, var = group_params(mn, mx, levels, zero_mode)
                 scale[b, h, t, g] = s
                 offset[b, h, t, g] = off
-                for c in range(c0, c0 + group):
-                    row[c] = np.uint8(int_code(xr[c], s, zq, mn, levels, zero_mode)) if var else 0
+                if var:
+                    for c in range(group):
+                        rv[c] = np.uint8(int_code(xv[c], s, zq, mn, levels, zero_mode))
+                else:
+                    rv[:] = 0
             pack_row(row, bits, codes[b, h, t])
     return codes, scale, offset
 

@@ -11,139 +11,175 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows, pack_row, sum_squares
+from kvq_numba.cpu_common import CHUNK, fwht_heads, pack_row, sum_squares
 from kvq_numba.rules import triplet_code
 
-@njit(parallel=True, cache=True)
 def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
-    """Codes uint8 [b, h, t, row_bytes] and norms gamma float32 [b, h, t] of float32 x [b, h, t, d]."""
-    nb, nh, nt, d = x.shape
-    ntrip = (d + 2) // 3
-    nbytes = (ntrip * bits + 7) // 8
-    codes = np.zeros((nb, nh, nt, nbytes), np.uint8)
-    gamma = np.empty((nb, nh, nt), np.float32)
-    for bh in prange(nb * nh):
-        b, h = bh // nh, bh % nh
-        su = np.empty((FWHT_ROWS, d), np.float32)
-        v = np.zeros((FWHT_ROWS, 3 * ntrip), np.float32)  # zero tail: the padded triplet
-        tb = np.zeros((d, FWHT_ROWS), np.float32)
-        row = np.empty(ntrip, np.int32)
-        for t0 in range(0, nt, FWHT_ROWS):
-            n = min(FWHT_ROWS, nt - t0)
-            for i in range(n):
-                g = np.sqrt(sum_squares(x[b, h, t0 + i], d))
-                gamma[b, h, t0 + i] = g
-                g = g if g > 0 else np.float32(1)
-                for c in range(d):
-                    su[i, c] = signs[h, c] * (x[b, h, t0 + i, c] / g)
-            fwht_rows(su, 0, n, inv_sqrt_d, v[:, :d], tb)
-            for i in range(n):
-                for j in range(ntrip):
-                    row[j] = triplet_code(v[i, 3 * j], v[i, 3 * j + 1], v[i, 3 * j + 2], xi_th, eta_th, rho_th, dirs,
-                                           n_xi, n_eta, eta_bits, rho_bits, joint)
-                pack_row(row, bits, codes[b, h, t0 + i])
+    """Codes uint8 [b, h, t, row_bytes] and norms gamma float32 [b, h, t] of C-contiguous float32
+    x [b, h, t, d]: normalise and sign, rotate (:func:`fwht_heads`), then one code per triplet."""
+    v, gamma = _signed_units(x, signs)
+    fwht_heads(v, v, inv_sqrt_d)
+    codes = _triplet_codes(v, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint)
     return codes, gamma
 
 
+@njit(parallel=True, cache=True)
+def _signed_units(x, signs):
+    """(``s_h * x / gamma``, gamma) per row, gamma the float32 L2 norm in NumPy's pairwise order
+    (rows of norm 0 divide by 1)."""
+    nb, nh, nt, d = x.shape
+    u = np.empty_like(x)
+    gamma = np.empty((nb, nh, nt), np.float32)
+    for bh in prange(nb * nh):
+        b, h = bh // nh, bh % nh
+        for t in range(nt):
+            g = np.sqrt(sum_squares(x[b, h, t], d))
+            gamma[b, h, t] = g
+            g = g if g > 0 else np.float32(1)
+            for c in range(d):
+                u[b, h, t, c] = signs[h, c] * (x[b, h, t, c] / g)
+    return u, gamma
+
+
+@njit(parallel=True, cache=True)
+def _triplet_codes(v, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
+    """Packed triplet codes uint8 [b, h, t, row_bytes] of rotated unit rows v [b, h, t, d]; a last
+    partial triplet is zero-padded."""
+    nb, nh, nt, d = v.shape
+    ntrip = (d + 2) // 3
+    nbytes = (ntrip * bits + 7) // 8
+    codes = np.zeros((nb, nh, nt, nbytes), np.uint8)
+    for bh in prange(nb * nh):
+        b, h = bh // nh, bh % nh
+        row = np.empty(ntrip, np.int32)
+        xyz = np.zeros(3, np.float32)
+        for t in range(nt):
+            vr = v[b, h, t]
+            for j in range(ntrip):
+                for k in range(3):
+                    xyz[k] = vr[3 * j + k] if 3 * j + k < d else np.float32(0)
+                row[j] = triplet_code(xyz[0], xyz[1], xyz[2], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits,
+                                      rho_bits, joint)
+            pack_row(row, bits, codes[b, h, t])
+    return codes
+
+
 @njit(inline="always", cache=True)
-def _code_at(row, j, bits, mask, nbytes) -> int:
-    """Code ``j`` (``bits`` <= 16) of a packed row: up to three bytes from bit ``j * bits``."""
-    p = j * bits
+def _code_at(row, j, bits, nbytes) -> np.int32:
+    """Code ``j`` (``bits`` <= 17) of a packed row: the (up to) three bytes from bit ``j * bits``.
+
+    Unsigned arithmetic and a bounded byte loop: no branch on the row end per byte and no
+    negative-index fix-ups, which made the per-code read several times slower.
+    """
+    p = bits * j
     k = p >> 3
-    v = np.int32(row[k])
-    if k + 1 < nbytes:
-        v |= np.int32(row[k + 1]) << 8
-    if k + 2 < nbytes:
-        v |= np.int32(row[k + 2]) << 16
-    return (v >> (p & 7)) & mask
+    w = np.uint64(0)
+    for i in range(min(3, nbytes - k)):
+        w |= np.uint64(row[k + i]) << np.uint64(8 * i)
+    return np.int32((w >> np.uint64(p & 7)) & np.uint64((1 << bits) - 1))
 
 
 @njit(inline="always", cache=True)
-def decode_rows(codes2d, t0, n, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, cbuf, out) -> None:
+def _codes10(row, out) -> int:
+    """The leading codes of a row of 10-bit codes (OCTOPUS b=3), four from every five bytes with
+    constant shifts (LLVM vectorises this); returns how many it wrote (a multiple of 4)."""
+    nq = min(out.shape[0], (8 * row.shape[0]) // 10) // 4
+    m = np.uint64(1023)
+    for q in range(nq):
+        s = row[5 * q:5 * q + 5]
+        w = (np.uint64(s[0]) | (np.uint64(s[1]) << np.uint64(8)) | (np.uint64(s[2]) << np.uint64(16))
+             | (np.uint64(s[3]) << np.uint64(24)) | (np.uint64(s[4]) << np.uint64(32)))
+        o = out[4 * q:4 * q + 4]
+        o[0] = np.int32(w & m)
+        o[1] = np.int32((w >> np.uint64(10)) & m)
+        o[2] = np.int32((w >> np.uint64(20)) & m)
+        o[3] = np.int32((w >> np.uint64(30)) & m)
+    return 4 * nq
+
+
+@njit(inline="always", cache=True)
+def decode_rows(codes2d, t0, n, bits, table, cbuf, out) -> None:
     """Rows ``out[0 .. n]`` [.., d] = the rotated unit vectors (rho * direction per triplet, gamma
-    not applied) of code rows ``t0 .. t0+n``; ``cbuf`` int32 [>= n, n_triplets] is scratch.
+    not applied) of code rows ``t0 .. t0+n``; ``table`` [2**bits, 3] is each code's rho * direction
+    (:func:`code_table`), ``cbuf`` int32 [>= n, n_triplets] is scratch.
 
     Each code is read on its own (no serial bitstream), so the loops pipeline."""
     d = out.shape[1]
     ntrip = cbuf.shape[1]
     nbytes = codes2d.shape[1]
     full = d // 3
-    mask = (1 << bits) - 1
-    eta_mask = (1 << eta_bits) - 1
-    rho_mask = (1 << rho_bits) - 1
-    shift = eta_bits + rho_bits
     for i in range(n):
         row = codes2d[t0 + i]
-        for j in range(ntrip):
-            cbuf[i, j] = _code_at(row, j, bits, mask, nbytes)
+        ci = cbuf[i]
+        done = _codes10(row, ci) if bits == 10 else 0
+        for j in range(done, ntrip):
+            ci[j] = _code_at(row, j, bits, nbytes)
+        o = out[i]
         for j in range(full):
-            c = cbuf[i, j]
-            r = rho_cb[c & rho_mask]
-            pair = (c >> shift) * n_eta + ((c >> rho_bits) & eta_mask)
-            out[i, 3 * j] = r * dirs[pair, 0]
-            out[i, 3 * j + 1] = r * dirs[pair, 1]
-            out[i, 3 * j + 2] = r * dirs[pair, 2]
+            e = table[ci[j]]
+            o[3 * j] = e[0]
+            o[3 * j + 1] = e[1]
+            o[3 * j + 2] = e[2]
         for j in range(full, ntrip):  # the zero-padded last triplet
-            c = cbuf[i, j]
-            r = rho_cb[c & rho_mask]
-            pair = (c >> shift) * n_eta + ((c >> rho_bits) & eta_mask)
+            e = table[ci[j]]
             for k in range(d - 3 * j):
-                out[i, 3 * j + k] = r * dirs[pair, k]
+                o[3 * j + k] = e[k]
+
+
+def code_table(bits: int, eta_bits: int, rho_bits: int, n_eta: int, rho_cb: np.ndarray, dirs: np.ndarray) -> np.ndarray:
+    """float32 [2**bits, 3]: what each triplet code decodes to, ``rho_cb[i_rho] * dirs[i_xi * n_eta
+    + i_eta]`` (the reference's float32 product; codes naming no direction decode to 0)."""
+    c = np.arange(1 << bits)
+    pair = (c >> (eta_bits + rho_bits)) * n_eta + ((c >> rho_bits) & ((1 << eta_bits) - 1))
+    ok = pair < dirs.shape[0]
+    table = np.zeros((1 << bits, 3), np.float32)
+    table[ok] = rho_cb[c[ok] & ((1 << rho_bits) - 1), None].astype(np.float32) * dirs[pair[ok]].astype(np.float32)
+    return table
+
+
+def decode(codes, gamma, signs, inv_sqrt_d, bits, table, d):
+    """``gamma * diag(s) H v_hat``: decoded vectors float32 [b, h, t, d] in the original domain."""
+    y = _unit_rows(codes, bits, table, d)
+    fwht_heads(y, y, inv_sqrt_d)
+    _scale_signed(y, gamma, signs)
+    return y
 
 
 @njit(parallel=True, cache=True)
-def decode(codes, gamma, signs, inv_sqrt_d, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, d):
-    """``gamma * diag(s) H v_hat``: decoded vectors float32 [b, h, t, d] in the original domain."""
+def _unit_rows(codes, bits, table, d):
+    """The rotated unit vectors ``v_hat`` float32 [b, h, t, d] of code rows (:func:`decode_rows`)."""
     nb, nh, nt = codes.shape[:3]
     ntrip = (d + 2) // 3
     out = np.empty((nb, nh, nt, d), np.float32)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
-        cbuf = np.empty((FWHT_ROWS, ntrip), np.int32)
-        vr = np.empty((FWHT_ROWS, d), np.float32)
-        tb = np.zeros((d, FWHT_ROWS), np.float32)
-        y = out[b, h]
-        for t0 in range(0, nt, FWHT_ROWS):
-            n = min(FWHT_ROWS, nt - t0)
-            decode_rows(codes[b, h], t0, n, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs, cbuf, vr)
-            fwht_rows(vr, 0, n, inv_sqrt_d, y[t0:t0 + n], tb)
-            for i in range(n):
-                g = gamma[b, h, t0 + i]
-                for c in range(d):
-                    y[t0 + i, c] = g * (signs[h, c] * y[t0 + i, c])
+        cbuf = np.empty((CHUNK, ntrip), np.int32)
+        for t0 in range(0, nt, CHUNK):
+            n = min(CHUNK, nt - t0)
+            decode_rows(codes[b, h], t0, n, bits, table, cbuf, out[b, h, t0:t0 + n])
     return out
 
 
 @njit(parallel=True, cache=True)
-def signed_rotate(x, signs, inv_sqrt_d):
-    """``H diag(s_h) x`` per row of float32 x [b, h, n, d] (queries grouped by KV head)."""
-    nb, nh, nt, d = x.shape
-    y = np.empty_like(x)
-    for bh in prange(nb * nh):
-        b, h = bh // nh, bh % nh
-        su = np.empty((FWHT_ROWS, d), np.float32)
-        tb = np.zeros((d, FWHT_ROWS), np.float32)
-        for t0 in range(0, nt, FWHT_ROWS):
-            n = min(FWHT_ROWS, nt - t0)
-            for i in range(n):
-                for c in range(d):
-                    su[i, c] = signs[h, c] * x[b, h, t0 + i, c]
-            fwht_rows(su, 0, n, inv_sqrt_d, y[b, h, t0:t0 + n], tb)
-    return y
-
-
-@njit(parallel=True, cache=True)
-def signed_unrotate(y, signs, inv_sqrt_d):
-    """``diag(s_h) H y`` per row of float32 y [b, h, n, d], the inverse of :func:`signed_rotate`."""
+def _scale_signed(y, gamma, signs) -> None:
+    """In place: ``y[b, h, t] = gamma[b, h, t] * (s_h * y[b, h, t])`` (the reference's order)."""
     nb, nh, nt, d = y.shape
-    x = np.empty_like(y)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
-        tb = np.zeros((d, FWHT_ROWS), np.float32)
-        for t0 in range(0, nt, FWHT_ROWS):
-            n = min(FWHT_ROWS, nt - t0)
-            fwht_rows(y[b, h], t0, n, inv_sqrt_d, x[b, h], tb)
-            for i in range(n):
-                for c in range(d):
-                    x[b, h, t0 + i, c] *= signs[h, c]
+        for t in range(nt):
+            g = gamma[b, h, t]
+            for c in range(d):
+                y[b, h, t, c] = g * (signs[h, c] * y[b, h, t, c])
+
+
+def signed_rotate(x: np.ndarray, signs: np.ndarray, inv_sqrt_d: np.float32) -> np.ndarray:
+    """``H diag(s_h) x`` per row of C-contiguous float32 x [b, h, n, d] (queries grouped by KV head)."""
+    xs = x * signs.astype(np.float32)[None, :, None, :]
+    return fwht_heads(xs, xs, inv_sqrt_d)
+
+
+def signed_unrotate(y: np.ndarray, signs: np.ndarray, inv_sqrt_d: np.float32) -> np.ndarray:
+    """``diag(s_h) H y`` per row of C-contiguous float32 y [b, h, n, d], the inverse of :func:`signed_rotate`."""
+    x = fwht_heads(y, np.empty_like(y), inv_sqrt_d)
+    x *= signs.astype(np.float32)[None, :, None, :]
     return x

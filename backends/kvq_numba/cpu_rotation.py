@@ -5,20 +5,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import FWHT_ROWS, fwht_rows, sum_squares
+from kvq_numba.cpu_common import fwht_heads, sum_squares
 
 
-@njit(parallel=True, cache=True)
-def rotate(x, inv_sqrt_d):
-    """``x H`` for float32 ``x`` [b, h, t, d]: every row multiplied by H (its own inverse)."""
-    nb, nh, nt, d = x.shape
-    y = np.empty_like(x)
-    for bh in prange(nb * nh):
-        b, h = bh // nh, bh % nh
-        tb = np.zeros((d, FWHT_ROWS), np.float32)
-        for t0 in range(0, nt, FWHT_ROWS):
-            fwht_rows(x[b, h], t0, min(FWHT_ROWS, nt - t0), inv_sqrt_d, y[b, h], tb)
-    return y
+def rotate(x: np.ndarray, inv_sqrt_d: np.float32) -> np.ndarray:
+    """``x H`` for C-contiguous float32 ``x`` [b, h, t, d]: every row multiplied by H (its own inverse)."""
+    return fwht_heads(x, np.empty_like(x), inv_sqrt_d)
 
 
 @njit(parallel=True, cache=True)

@@ -22,6 +22,7 @@ class OctopusNumba:
         self.spec = spec
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
         self._cuda: Any = None
+        self._table: tuple[Any, np.ndarray] | None = None
 
     def _gpu(self) -> Any:
         if self._cuda is None:
@@ -31,10 +32,15 @@ class OctopusNumba:
         return self._cuda
 
     def _books(self, consts: Any) -> tuple[Any, ...]:
-        """Decode constants in kernel argument order (after the code arrays)."""
-        s = self.spec
-        return (s.triplet_bits, s.eta_bits, s.rho_bits, consts["eta_codebook"].size,
-                np.ascontiguousarray(consts["rho_codebook"]), np.ascontiguousarray(consts["directions"]))
+        """Decode constants in kernel argument order (after the code arrays): the triplet code
+        width and the code -> rho * direction table, built once per codebook."""
+        dirs = consts["directions"]
+        if self._table is None or self._table[0] is not dirs:
+            s = self.spec
+            table = cpu_octopus.code_table(s.triplet_bits, s.eta_bits, s.rho_bits, consts["eta_codebook"].size,
+                                           np.asarray(consts["rho_codebook"]), np.asarray(dirs))
+            self._table = (dirs, table)
+        return self.spec.triplet_bits, self._table[1]
 
     def _encode(self, x: Any, consts: Any) -> Fields:
         s = self.spec

@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from kvq_core.layout import to_host
+from kvq_core.layout import host_all_finite, to_host
 
 
 class NumpyArrays:
@@ -18,7 +18,7 @@ class NumpyArrays:
         return self.asarray(x)
 
     def all_finite(self, x: Any) -> bool:
-        return bool(np.isfinite(self.asarray(x)).all())
+        return host_all_finite(self.asarray(x))
 
     def max_abs(self, x: Any) -> float:
         """Largest |x| (for the core's underflow check)."""
