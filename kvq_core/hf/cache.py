@@ -6,28 +6,8 @@ Storage per layer (append-only):
   the layer's quantizer; never re-quantized;
 - a full-precision *window* (``layer.keys`` / ``layer.values``) of the most recent tokens.
 
-Flush policies. New tokens join the window; attention for the step is computed over packed
-blocks + window (so the newest tokens are always seen exactly); *after* that, tokens are
-packed:
-
-- ``flush="block"`` (the OScaR reference, specs/oscar.md 1.5; token-group codecs): once the
-  window holds ``residual`` tokens or more, its first ``residual * (n // residual)`` tokens are
-  encoded as one new block. After a prefill of L tokens ``L - L % residual`` are packed and a
-  decode step attends with 1..``residual`` exact tokens.
-- ``flush="sliding"`` (the OCTOPUS protocol, specs/octopus.md 1.11; per-token codecs): all but
-  the last ``residual - 1`` tokens are packed after every step, so every decode query attends to
-  exactly its ``residual`` most recent tokens (itself included) exactly. ``stride`` S > 1
-  encodes S tokens at once, up to S - 1 of them ahead of need: those stay in the window and are
-  read exact until they age out, so attention is unchanged, decoding encodes once per S steps,
-  and the cache holds up to S - 1 tokens twice (codes and exact). Per-step blocks are
-  joined as they come (:func:`kvq_core.layout.concat_tokens`), keeping O(log n) blocks. A
-  multi-token step attends its whole window exactly (as a prefill does), so its queries see
-  ``residual``..``residual + chunk - 1`` exact tokens; with ``chunks="decode"`` and the
-  ``"kvq"`` attention function each of them sees what it would decoding one token at a time
-  (window tokens ``residual`` or more positions back are read from their codes), so a chunked
-  teacher-forced forward equals token-by-token decoding (``kvq eval ppl`` scores this way).
-
-``residual=0`` packs everything after each step under both.
+Flush policies (when exact tokens are packed: ``flush="block"`` / ``"sliding"``, ``stride``,
+``chunks``) are described, and decided in plain integers, in :mod:`kvq_core.hf.flush`.
 
 Sliding-window layers (``sliding_window=W``, e.g. Mistral, the local layers of Gemma 2/3) are
 stored the same way, and after each step drop what no later query can see, everything before
@@ -63,13 +43,13 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicL
 
 from kvq_core.api import Quantizer, get_quantizer
 from kvq_core.errors import InputError, KVQError
+from kvq_core.hf.flush import FLUSH_MODES, blocks_before, encode_range, join_range, plan_crop, window_drop
 from kvq_core.hf.window import plan_eviction, view_start
 from kvq_core.layout import PackedKV, concat_tokens, slice_tokens, token_separable
 from kvq_core.registry import make_spec
 from kvq_core.spec import MethodSpec
 
 ATTENTION_MODES = ("auto", "dequant", "codes")
-FLUSH_MODES = ("block", "sliding")
 CHUNK_MODES = ("exact", "decode")
 WINDOW_BITS = 16  # exact tokens are counted as a float16/bfloat16 deployment stores them
 
@@ -250,8 +230,7 @@ class KVQLayer(DynamicLayer):
         self.last_attention_elements = b * h * (self.cumulative_length - self.evicted) * per_token
         if block is not None:
             self._commit(*block)
-        if self.flush == "sliding":
-            self._slide()
+        self._settle(0 if block is None else block[2])
         if self.sliding_window is not None:
             self._evict(view_start(self.cumulative_length, self.sliding_window))
         return keys, values
@@ -319,36 +298,22 @@ class KVQLayer(DynamicLayer):
 
     def _encode_flush(self, keys: torch.Tensor, values: torch.Tensor, base: int) -> tuple[PackedKV, PackedKV, int] | None:
         """The block to encode from window ``keys``/``values`` (its first token is token
-        ``base``), or None. Changes nothing.
-
-        "block": the window's whole multiples of ``residual`` tokens (none until it is full);
-        "sliding": the tokens not yet packed among all but the last ``residual - 1``, and when
-        fewer than ``stride``, more up to ``stride`` (as far as the window goes)."""
-        n, r = keys.shape[-2], self.residual
-        start = self.packed_length - base  # window tokens [0, start) are packed already (ahead)
-        if self.flush == "sliding":
-            need = n - max(r - 1, 0)
-            m = 0 if need <= start else min(n, max(need, start + self.stride)) - start
-        else:
-            m = 0 if n < max(r, 1) else (n if r == 0 else (n // r) * r)
-        if n == 0 or m <= 0:
+        ``base``), or None (:func:`kvq_core.hf.flush.encode_range`). Changes nothing."""
+        start, stop = encode_range(self.flush, self.residual, self.stride, keys.shape[-2], base, self.packed_length)
+        if start == stop:
             return None
-        pk = self.kq.encode_keys(keys[:, :, start:start + m].contiguous())  # type: ignore[union-attr]
-        pv = self.vq.encode_values(values[:, :, start:start + m].contiguous())  # type: ignore[union-attr]
-        return pk, pv, m
+        pk = self.kq.encode_keys(keys[:, :, start:stop].contiguous())  # type: ignore[union-attr]
+        pv = self.vq.encode_values(values[:, :, start:stop].contiguous())  # type: ignore[union-attr]
+        return pk, pv, stop - start
 
     def _blocks_before(self, base: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
         """How many leading blocks lie wholly before token ``base``, and the decoded tokens
         before ``base`` of the next block (one a sliding stride encoded ahead), if any."""
-        start = self.evicted
-        for i, t in enumerate(self.block_tokens):
-            if start + t > base:
-                if start == base:
-                    return i, None
-                k, v = self.decode_block(i)
-                return i, (k[:, :, : base - start], v[:, :, : base - start])
-            start += t
-        return len(self.blocks), None
+        whole, part = blocks_before(self.block_tokens, self.evicted, base)
+        if not part:
+            return whole, None
+        k, v = self.decode_block(whole)
+        return whole, (k[:, :, :part], v[:, :, :part])
 
     def _window_codes(self, block: tuple[PackedKV, PackedKV, int] | None, base: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The window's packed tokens decoded (those encoded ahead by earlier steps, then this
@@ -364,36 +329,28 @@ class KVQLayer(DynamicLayer):
         return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
 
     def _commit(self, pk: PackedKV, pv: PackedKV, m: int) -> None:
-        """Append an encoded block of ``m`` tokens; a block flush drops them from the window."""
+        """Append an encoded block of ``m`` tokens."""
         self.blocks.append((pk, pv))
         self.block_tokens.append(m)
         self.packed_length += m
         self.packed_bytes += pk.nbytes() + pv.nbytes()
-        if self.flush == "block":
-            self.keys = self.keys[:, :, m:].clone()
-            self.values = self.values[:, :, m:].clone()
 
-    def _slide(self) -> None:
-        """Sliding flush after a step: keep the last ``residual - 1`` tokens in the window (the
-        older ones are packed), then join the newest two blocks that hold no window token while
-        the later is at least as long as the one before, so block lengths never increase and
-        per-step flushes leave O(log n) blocks (a block encoded ahead joins once its tokens have
-        all left the window)."""
-        drop = self.window_length - max(self.residual - 1, 0)
+    def _settle(self, encoded: int) -> None:
+        """After a step's flush: drop the window tokens the policy no longer keeps exact, and
+        under a sliding flush join the blocks :func:`kvq_core.hf.flush.join_range` names (codes
+        copied, never re-quantized)."""
+        drop = window_drop(self.flush, self.residual, self.window_length, encoded)
         if drop > 0:
             self.keys = self.keys[:, :, drop:].clone()
             self.values = self.values[:, :, drop:].clone()
-        old = self.cumulative_length - self.window_length
-        j, end = len(self.blocks), self.packed_length
-        while j and end > old:  # blocks still holding window tokens stay apart
-            j -= 1
-            end -= self.block_tokens[j]
-        while j >= 2 and self.block_tokens[j - 2] <= self.block_tokens[j - 1]:
-            (k1, v1), (k2, v2) = self.blocks[j - 2:j]
-            joined = (concat_tokens([k1, k2], self.kq.arrays), concat_tokens([v1, v2], self.vq.arrays))  # type: ignore[union-attr]
-            self.blocks[j - 2:j] = [joined]
-            self.block_tokens[j - 2:j] = [self.block_tokens[j - 2] + self.block_tokens[j - 1]]
-            j -= 1
+        if self.flush != "sliding":
+            return
+        lo, hi = join_range(self.block_tokens, self.packed_length, self.cumulative_length - self.window_length)
+        if hi - lo > 1:
+            joined = (concat_tokens([pk for pk, _ in self.blocks[lo:hi]], self.kq.arrays),  # type: ignore[union-attr]
+                      concat_tokens([pv for _, pv in self.blocks[lo:hi]], self.vq.arrays))  # type: ignore[union-attr]
+            self.blocks[lo:hi] = [joined]
+            self.block_tokens[lo:hi] = [sum(self.block_tokens[lo:hi])]
 
     def decode_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decode_pair(*self.blocks[i])
@@ -483,25 +440,10 @@ class KVQLayer(DynamicLayer):
 
     def check_crop(self, tokens_to_remove: int) -> tuple[int, int]:
         """Raise if ``crop(tokens_to_remove)`` is impossible; else return how many whole blocks it
-        keeps and how many leading tokens of the next block (per-token layouts only)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicLayer")
-        n = -tokens_to_remove
-        if n > self.cumulative_length:
-            raise ValueError(f"crop: cannot remove {n} tokens from a layer holding {self.cumulative_length}")
-        if n and self.evicted:
-            raise KVQError(f"crop: layer {self.layer_idx} is a sliding-window layer that has dropped its first "
-                           f"{self.evicted} tokens; it cannot be rolled back")
-        rest = max(self.packed_length - (self.cumulative_length - n), 0)  # packed tokens past the cut
-        tokens = list(self.block_tokens)
-        while rest > 0 and tokens and tokens[-1] <= rest:
-            rest -= tokens.pop()
-        if rest and not separable(self.key_spec, self.value_spec):
-            raise KVQError(
-                f"crop: removing {n} tokens cuts inside a packed block of {tokens[-1]} tokens; "
-                f"only the window ({self.window_length} tokens) and whole blocks can be cropped"
-            )
-        return (len(tokens) - 1, tokens[-1] - rest) if rest else (len(tokens), 0)
+        keeps and how many leading tokens of the next block (:func:`kvq_core.hf.flush.plan_crop`)."""
+        return plan_crop(self.block_tokens, tokens_to_remove, cumulative=self.cumulative_length,
+                         packed_length=self.packed_length, evicted=self.evicted, window=self.window_length,
+                         per_token=separable(self.key_spec, self.value_spec), layer=self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove ``-tokens_to_remove`` tokens from the end: from the window, then whole blocks.
