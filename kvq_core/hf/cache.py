@@ -254,14 +254,16 @@ class KVQLayer(DynamicLayer):
         if plan.evicted == self.evicted:
             return
         blocks, tokens = self.blocks[plan.drop_blocks:], self.block_tokens[plan.drop_blocks:]
+        freed = sum(pk.nbytes() + pv.nbytes() for pk, pv in self.blocks[:plan.drop_blocks])
         if plan.cut:
             pk, pv = blocks[0]
             blocks[0] = (slice_tokens(pk, plan.cut, tokens[0]), slice_tokens(pv, plan.cut, tokens[0]))
             tokens[0] -= plan.cut
+            freed += pk.nbytes() + pv.nbytes() - blocks[0][0].nbytes() - blocks[0][1].nbytes()
         gone = plan.evicted - self.evicted
         self.blocks, self.block_tokens, self.evicted = blocks, tokens, plan.evicted
         self.packed_length = max(self.packed_length, plan.evicted)
-        self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in blocks)
+        self.packed_bytes -= freed  # by difference: summing every block's layout each step is costly
         old_window = plan.evicted - (self.cumulative_length - self.window_length)
         if old_window > 0:
             self.keys, self.values = self.keys[:, :, old_window:].clone(), self.values[:, :, old_window:].clone()
