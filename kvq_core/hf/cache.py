@@ -43,6 +43,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicL
 
 from kvq_core.api import Quantizer, get_quantizer
 from kvq_core.errors import InputError, KVQError
+from kvq_core.hf.decoded import DecodedHistory
 from kvq_core.hf.flush import FLUSH_MODES, blocks_before, encode_range, join_range, plan_crop, window_drop
 from kvq_core.hf.window import plan_eviction, view_start
 from kvq_core.layout import PackedKV, concat_tokens, slice_tokens, token_separable
@@ -145,8 +146,7 @@ class KVQLayer(DynamicLayer):
         self.evicted = 0  # tokens [0, evicted) are dropped (sliding-window layers)
         self.packed_bytes = 0
         self.cumulative_length = 0
-        self._dec: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._dec_tokens = 0  # leading packed tokens that _dec holds decoded
+        self._decoded = DecodedHistory()
         self._pending_codes = False
         self.last_attention_bits = 0.0  # stored bits when the last step attended (window at WINDOW_BITS)
         self.last_attention_elements = 0
@@ -267,10 +267,7 @@ class KVQLayer(DynamicLayer):
         old_window = plan.evicted - (self.cumulative_length - self.window_length)
         if old_window > 0:
             self.keys, self.values = self.keys[:, :, old_window:].clone(), self.values[:, :, old_window:].clone()
-        if self._dec is not None and self._dec_tokens > plan.evicted:
-            self._dec = tuple(t[:, :, gone:] for t in self._dec)  # type: ignore[assignment]
-        else:
-            self.drop_decoded()
+        self._decoded.drop_front(gone, plan.evicted)
 
     def mark_attended(self) -> None:
         """Declare the last ``update``'s output used without the "kvq" attention function
@@ -371,27 +368,16 @@ class KVQLayer(DynamicLayer):
         if not self.cache_decoded:
             parts = [self.decode_block(i) for i in range(len(self.blocks))]
             return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
-        if self._dec_tokens < self.packed_length:
-            parts = [] if self._dec is None else [self._dec]
-            start = self.evicted
-            for i, t in enumerate(self.block_tokens):
-                if start + t > self._dec_tokens:  # (part of) block i is not decoded yet
-                    k, v = self.decode_block(i)
-                    skip = max(self._dec_tokens - start, 0)
-                    parts.append((k[:, :, skip:], v[:, :, skip:]))
-                start += t
-            self._dec = (torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2))
-            self._dec_tokens = self.packed_length
-        return self._dec
+        return self._decoded.extend(self.block_tokens, self.evicted, self.packed_length, self.decode_block)
 
     def drop_decoded(self) -> None:
         """Free the decoded-history copy (it is rebuilt on demand)."""
-        self._dec, self._dec_tokens = None, 0
+        self._decoded.clear()
 
     def snapshot(self) -> dict[str, Any]:
         """The layer's state, to undo the next ``update`` with :meth:`restore`. Holds references
         (updates rebind tensors, never write into them), not the decoded-history copy."""
-        state = {k: v for k, v in vars(self).items() if k not in ("_dec", "_dec_tokens")}
+        state = {k: v for k, v in vars(self).items() if k != "_decoded"}
         state["blocks"], state["block_tokens"] = list(self.blocks), list(self.block_tokens)
         return state
 
@@ -406,9 +392,7 @@ class KVQLayer(DynamicLayer):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def decoded_bytes(self) -> int:
-        if self._dec is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in self._dec)
+        return self._decoded.nbytes()
 
     # -- batch and beam operations (codes are moved, never re-quantized) ---------------------
     def _map_batch(self, index: torch.Tensor) -> None:
@@ -417,8 +401,7 @@ class KVQLayer(DynamicLayer):
         if self.window_length or (self.keys is not None and self.keys.dim() == 4):
             self.keys = self.keys.index_select(0, index.to(self.keys.device))
             self.values = self.values.index_select(0, index.to(self.values.device))
-        if self._dec is not None:
-            self._dec = tuple(t.index_select(0, index.to(t.device)) for t in self._dec)  # type: ignore[assignment]
+        self._decoded.select(index)
         self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in self.blocks)
 
     def _batch(self) -> int:
@@ -473,9 +456,7 @@ class KVQLayer(DynamicLayer):
             self.blocks, self.block_tokens = blocks, tokens
             self.packed_length = sum(tokens)
             self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in blocks)
-            if self._dec is not None:
-                self._dec = tuple(t[:, :, : self.packed_length] for t in self._dec)  # type: ignore[assignment]
-                self._dec_tokens = min(self._dec_tokens, self.packed_length)
+            self._decoded.truncate(self.packed_length)
         self.cumulative_length -= n
 
 
