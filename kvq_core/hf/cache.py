@@ -124,12 +124,14 @@ class KVQLayer(DynamicLayer):
             raise InputError(f"stride={stride} applies to flush='sliding'; got flush={flush!r}")
         if chunks not in CHUNK_MODES:
             raise InputError(f"chunks={chunks!r}; expected one of {CHUNK_MODES}")
-        if flush == "sliding" and not separable(key_spec, value_spec):
+        per_token = separable(key_spec, value_spec)
+        if flush == "sliding" and not per_token:
             raise InputError(
                 f"flush='sliding' needs per-token layouts; {key_spec.describe()} keys / {value_spec.describe()} "
                 "values share statistics across tokens: use flush='block'"
             )
         self.key_spec, self.value_spec = key_spec, value_spec
+        self._per_token = per_token  # computed once: it builds layouts (~40 us), and _evict runs every step
         self.layer_idx, self.backend, self.residual, self.flush = layer_idx, backend, residual, flush
         self.chunks, self.stride = chunks, stride
         self.attention, self.cache_decoded, self._config = attention, cache_decoded, config
@@ -250,7 +252,7 @@ class KVQLayer(DynamicLayer):
     def _evict(self, target: int) -> None:
         """Drop stored tokens before position ``target`` that no later query can see (sliding
         window): whole blocks, the leading tokens of a per-token block, old window tokens."""
-        plan = plan_eviction(self.block_tokens, self.evicted, target, separable(self.key_spec, self.value_spec))
+        plan = plan_eviction(self.block_tokens, self.evicted, target, self._per_token)
         if plan.evicted == self.evicted:
             return
         blocks, tokens = self.blocks[plan.drop_blocks:], self.block_tokens[plan.drop_blocks:]
@@ -428,7 +430,7 @@ class KVQLayer(DynamicLayer):
         keeps and how many leading tokens of the next block (:func:`kvq_core.hf.flush.plan_crop`)."""
         return plan_crop(self.block_tokens, tokens_to_remove, cumulative=self.cumulative_length,
                          packed_length=self.packed_length, evicted=self.evicted, window=self.window_length,
-                         per_token=separable(self.key_spec, self.value_spec), layer=self.layer_idx)
+                         per_token=self._per_token, layer=self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove ``-tokens_to_remove`` tokens from the end: from the window, then whole blocks.
