@@ -65,6 +65,7 @@ class DecodedHistory:
                        self.kv[1].index_select(0, index.to(self.kv[1].device)))
 
     def nbytes(self) -> int:
+        """Bytes the copy holds."""
         if self.kv is None:
             return 0
         return sum(t.numel() * t.element_size() for t in self.kv)
