@@ -56,3 +56,4 @@ def test_fp16_layer_matches_dynamic_sliding_window_layer(flush, residual, window
         stored = ours.cumulative_length - ours.evicted
         assert stored == min(ours.cumulative_length, window - 1)  # per-token codec: exactly the window
         assert ours.packed_length - ours.evicted == sum(ours.block_tokens)
+        assert ours.packed_bytes == sum(pk.nbytes() + pv.nbytes() for pk, pv in ours.blocks)  # kept by difference

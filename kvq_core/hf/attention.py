@@ -4,7 +4,7 @@ Registered with ``transformers.AttentionInterface.register("kvq", kvq_attention)
 sdpa mask builder under the same name) by :func:`register`; a model loaded with
 ``attn_implementation="kvq"`` then routes every attention call here.
 
-- Called with K/V that a :class:`~kvq_core.hf.cache.KVQLayer` returned in codes mode (the
+- Called with K/V that a :class:`~kvq_core.hf.layer.KVQLayer` returned in codes mode (the
   key tensor carries a ``_kvq_context``): the packed blocks are scored with
   ``Quantizer.attend(q, pk, pv, scale, return_lse=True)`` block by block, the full-precision
   window with plain softmax attention under the model's mask, and the parts are merged exactly
@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from kvq_core.errors import KVQError
-from kvq_core.hf.cache import CodesContext, to_torch
+from kvq_core.hf.layer import to_torch
+from kvq_core.hf.view import CodesContext
 
 NAME = "kvq"
 

@@ -1,58 +1,23 @@
-"""A transformers ``Cache`` that stores K/V as kvq packed blocks: :class:`KVQCache`, :class:`KVQLayer`.
+"""A transformers ``Cache`` that stores K/V as kvq packed blocks: :class:`KVQCache`, built from a
+model config, one :class:`KVQLayer` per quantized layer.
 
-Storage per layer (append-only):
+Where each concern lives:
 
-- ``blocks``: a list of (packed keys, packed values), each a :class:`kvq_core.PackedKV` made by
-  the layer's quantizer; never re-quantized;
-- a full-precision *window* (``layer.keys`` / ``layer.values``) of the most recent tokens.
+- :mod:`kvq_core.hf.layer`: :class:`KVQLayer`, one layer's storage (packed blocks + exact window)
+  and its ``update``;
+- :mod:`kvq_core.hf.flush`: the flush policies (``flush="block"`` / ``"sliding"``, ``stride``,
+  ``chunks``, ``residual``): when exact tokens are packed, which blocks join, how a crop cuts, in
+  plain integers;
+- :mod:`kvq_core.hf.view`: what a step hands the model (``attention="dequant"`` or ``"codes"``);
+- :mod:`kvq_core.hf.window`: what a sliding-window layer drops;
+- :mod:`kvq_core.hf.decoded`, :mod:`kvq_core.hf.batch`, :mod:`kvq_core.hf.accounting`: the
+  decoded-history copy, batch and beam operations, byte and bit accounting.
 
-Flush policies. New tokens join the window; attention for the step is computed over packed
-blocks + window (so the newest tokens are always seen exactly); *after* that, tokens are
-packed:
-
-- ``flush="block"`` (the OScaR reference, specs/oscar.md 1.5; token-group codecs): once the
-  window holds ``residual`` tokens or more, its first ``residual * (n // residual)`` tokens are
-  encoded as one new block. After a prefill of L tokens ``L - L % residual`` are packed and a
-  decode step attends with 1..``residual`` exact tokens.
-- ``flush="sliding"`` (the OCTOPUS protocol, specs/octopus.md 1.11; per-token codecs): all but
-  the last ``residual - 1`` tokens are packed after every step, so every decode query attends to
-  exactly its ``residual`` most recent tokens (itself included) exactly. ``stride`` S > 1
-  encodes S tokens at once, up to S - 1 of them ahead of need: those stay in the window and are
-  read exact until they age out, so attention is unchanged, decoding encodes once per S steps,
-  and the cache holds up to S - 1 tokens twice (codes and exact). Per-step blocks are
-  joined as they come (:func:`kvq_core.layout.concat_tokens`), keeping O(log n) blocks. A
-  multi-token step attends its whole window exactly (as a prefill does), so its queries see
-  ``residual``..``residual + chunk - 1`` exact tokens; with ``chunks="decode"`` and the
-  ``"kvq"`` attention function each of them sees what it would decoding one token at a time
-  (window tokens ``residual`` or more positions back are read from their codes), so a chunked
-  teacher-forced forward equals token-by-token decoding (``kvq eval ppl`` scores this way).
-
-``residual=0`` packs everything after each step under both.
-
-Sliding-window layers (``sliding_window=W``, e.g. Mistral, the local layers of Gemma 2/3) are
-stored the same way, and after each step drop what no later query can see, everything before
-the last W - 1 tokens (:mod:`kvq_core.hf.window`): ``update`` hands the model exactly the K/V a
-transformers ``DynamicSlidingWindowLayer`` would (its mask sizes included), the recent exact
-window staying exact. A per-token layout is cut at the window edge; a token-group block that
-straddles it stays until all its tokens are out, and meanwhile its visible tokens are handed
-over decoded (also in codes mode).
-
-Two ways to attend:
-
-- ``attention="dequant"``: ``update`` returns full K/V (decoded blocks + window) to the
-  model's own attention. Decoded history is cached per layer (``cache_decoded=True``) so old
-  blocks are decoded once; decoding is deterministic, so this is exact, but it holds a float
-  copy of the history: :meth:`KVQCache.memory_report` lists those bytes separately.
-- ``attention="codes"``: ``update`` returns only the window, tagged with the packed blocks;
-  the ``"kvq"`` attention function (:mod:`kvq_core.hf.attention`) scores the blocks from their
-  codes with ``Quantizer.attend`` and merges them with the window by log-sum-exp. Nothing is
-  materialised. ``"auto"`` picks codes exactly when the model config's attention
-  implementation is ``"kvq"``.
+This module keeps the cache itself: building the layers from the config and the method's
+parameters, and making each step (the layer updates of one forward) all or nothing.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -61,515 +26,22 @@ import numpy as np
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 
-from kvq_core.api import Quantizer, get_quantizer
 from kvq_core.errors import InputError, KVQError
-from kvq_core.hf.window import plan_eviction, view_start
-from kvq_core.layout import PackedKV, concat_tokens, slice_tokens, token_separable
+from kvq_core.hf.accounting import dynamic_cache_nbytes, memory_report
+from kvq_core.hf.flush import FLUSH_MODES
+from kvq_core.hf.layer import ATTENTION_MODES, CHUNK_MODES, WINDOW_BITS, KVQLayer, mla_dims, separable, to_torch
+from kvq_core.hf.view import CodesContext
 from kvq_core.registry import make_spec
-from kvq_core.spec import MethodSpec
 
-ATTENTION_MODES = ("auto", "dequant", "codes")
-FLUSH_MODES = ("block", "sliding")
-CHUNK_MODES = ("exact", "decode")
-WINDOW_BITS = 16  # exact tokens are counted as a float16/bfloat16 deployment stores them
-
-
-def to_torch(x: Any, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A backend array (NumPy or torch) as a torch tensor on ``device`` in ``dtype``."""
-    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
-    return t.to(device=device if device is not None else t.device, dtype=dtype if dtype is not None else t.dtype)
-
-
-def _take_batch(x: Any, index: torch.Tensor) -> Any:
-    """Rows ``index`` of the leading (batch) axis of a backend array, in the same array type."""
-    if isinstance(x, torch.Tensor):
-        return x.index_select(0, index.to(x.device))
-    return np.take(np.asarray(x), index.cpu().numpy(), axis=0)
-
-
-def _packed_take_batch(p: PackedKV, index: torch.Tensor) -> PackedKV:
-    """A packed block with its batch rows selected (codes untouched: no re-quantization)."""
-    layout = p.layout
-    for name, field in layout.items():
-        if not field.shape or field.shape[0] != p.shape[0]:
-            raise KVQError(
-                f"{p.spec.method} {p.kind} field {name!r} has shape {list(field.shape)} without a leading batch "
-                f"axis of {p.shape[0]}; batch reordering needs one"
-            )
-    out = p.map_fields(lambda a: _take_batch(a, index))
-    return dataclasses.replace(out, shape=(int(index.numel()), *p.shape[1:]))
-
-
-class KVQLayer(DynamicLayer):
-    """One attention layer: packed blocks (append-only) plus a full-precision window.
-
-    ``keys``/``values`` hold the window ``[batch, kv_heads, w, head_dim]``. ``key_spec`` and
-    ``value_spec`` may differ (e.g. more bits for keys); attention from codes then decodes.
-    """
-
-    is_compileable = False
-    is_sliding = False
-    is_croppable = False  # a rollback across a flushed block cannot be undone exactly
-
-    def __init__(
-        self,
-        key_spec: MethodSpec,
-        value_spec: MethodSpec,
-        *,
-        layer_idx: int,
-        backend: str = "auto",
-        residual: int = 128,
-        flush: str = "block",
-        stride: int = 1,
-        chunks: str = "exact",
-        attention: str = "auto",
-        cache_decoded: bool = True,
-        config: Any = None,
-        sliding_window: int | None = None,
-    ) -> None:
-        super().__init__()
-        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                           or sliding_window < 1):
-            raise InputError(f"sliding_window={sliding_window!r}; expected None or an integer >= 1")
-        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
-            raise InputError(f"residual={residual!r}; expected an integer >= 0 (tokens kept in full precision)")
-        if attention not in ATTENTION_MODES:
-            raise InputError(f"attention={attention!r}; expected one of {ATTENTION_MODES}")
-        if flush not in FLUSH_MODES:
-            raise InputError(f"flush={flush!r}; expected one of {FLUSH_MODES}")
-        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-            raise InputError(f"stride={stride!r}; expected an integer >= 1 (tokens a sliding flush encodes at once)")
-        if stride > 1 and flush != "sliding":
-            raise InputError(f"stride={stride} applies to flush='sliding'; got flush={flush!r}")
-        if chunks not in CHUNK_MODES:
-            raise InputError(f"chunks={chunks!r}; expected one of {CHUNK_MODES}")
-        if flush == "sliding" and not separable(key_spec, value_spec):
-            raise InputError(
-                f"flush='sliding' needs per-token layouts; {key_spec.describe()} keys / {value_spec.describe()} "
-                "values share statistics across tokens: use flush='block'"
-            )
-        self.key_spec, self.value_spec = key_spec, value_spec
-        self.layer_idx, self.backend, self.residual, self.flush = layer_idx, backend, residual, flush
-        self.chunks, self.stride = chunks, stride
-        self.attention, self.cache_decoded, self._config = attention, cache_decoded, config
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None  # transformers sizes sliding masks from such layers
-        self.kq: Quantizer | None = None
-        self.vq: Quantizer | None = None
-        self._clear()
-
-    def _clear(self) -> None:
-        self.blocks: list[tuple[PackedKV, PackedKV]] = []
-        self.block_tokens: list[int] = []
-        self.packed_length = 0  # tokens [0, packed_length) are packed or evicted
-        self.evicted = 0  # tokens [0, evicted) are dropped (sliding-window layers)
-        self.packed_bytes = 0
-        self.cumulative_length = 0
-        self._dec: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._dec_tokens = 0  # leading packed tokens that _dec holds decoded
-        self._pending_codes = False
-        self.last_attention_bits = 0.0  # stored bits when the last step attended (window at WINDOW_BITS)
-        self.last_attention_elements = 0
-
-    def __repr__(self) -> str:
-        spec = self.key_spec.describe() if self.key_spec == self.value_spec else f"K={self.key_spec.describe()}, V={self.value_spec.describe()}"
-        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
-        return (f"KVQLayer({spec}, residual={self.residual}, flush={self.flush!r}{window}, blocks={len(self.blocks)}, "
-                f"tokens={self.cumulative_length})")
-
-    # -- mode ---------------------------------------------------------------------------------
-    @property
-    def codes_mode(self) -> bool:
-        if self.attention != "auto":
-            return self.attention == "codes"
-        return getattr(self._config, "_attn_implementation", None) == "kvq"
-
-    @property
-    def same_spec(self) -> bool:
-        return self.key_spec == self.value_spec
-
-    # -- transformers layer contract ----------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        for what, x, spec in (("keys", key_states, self.key_spec), ("values", value_states, self.value_spec)):
-            if x.shape[-1] != spec.head_dim:
-                mla = mla_dims(self._config) if self._config is not None else None
-                hint = "" if mla is None else (
-                    f" (multi-head latent attention: kvq caches the latent, kv_lora_rank={mla[0]}, as keys and the rope "
-                    f"part, qk_rope_head_dim={mla[1]}, as values, as DeepseekV3 does; this model caches something else)")
-                raise InputError(f"layer {self.layer_idx}: {what} have head_dim {x.shape[-1]}; the spec says {spec.head_dim}{hint}")
-        device = str(key_states.device)
-        self.kq = get_quantizer(self.key_spec, self.backend, layer=self.layer_idx, device=device)
-        self.vq = self.kq if self.same_spec else get_quantizer(self.value_spec, self.backend, layer=self.layer_idx, device=device)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self._pending_codes:
-            raise KVQError(
-                f"layer {self.layer_idx}: the previous step returned only the full-precision window for attention from "
-                "codes, but the 'kvq' attention function never consumed it; load the model with "
-                "attn_implementation='kvq' (kvq_core.hf.register()) or build the cache with attention='dequant'"
-            )
-        window_k = torch.cat([self.keys, key_states], dim=-2)
-        window_v = torch.cat([self.values, value_states], dim=-2)
-        base = self.cumulative_length - self.window_length  # tokens read from codes this step
-        first = view_start(self.cumulative_length, self.sliding_window)  # first token this step's queries see
-        block = self._encode_flush(window_k, window_v, base)  # first: rejected input leaves the layer unchanged
-        self.keys, self.values = window_k, window_v
-        self.cumulative_length += key_states.shape[-2]
-        # sliding: a query of this step may sit `residual` or more tokens after a window token
-        decode_view = (self.flush == "sliding" and self.chunks == "decode" and window_k.shape[-2] > max(self.residual, 1)
-                       and base >= first)
-        flushed = self._window_codes(block, base) if decode_view else None
-        if first > self.evicted or base < first:
-            # a sliding window starts inside a token-group block or inside the exact window: hand
-            # the visible tokens over decoded, so K/V match the mask transformers builds
-            keys, values = self._visible(base, first)
-            if self.codes_mode or flushed is not None:
-                keys = keys.view(keys.shape)
-                keys._kvq_context = CodesContext(self, (), 0, history=max(base - first, 0), flushed=flushed)  # type: ignore[attr-defined]
-                self._pending_codes = self.codes_mode
-        elif self.codes_mode:
-            whole, part = self._blocks_before(base)
-            keys, values = self.keys.view(self.keys.shape), self.values.view(self.values.shape)
-            if part is not None:  # a block encoded ahead: its tokens before the window, decoded
-                keys, values = torch.cat([part[0], keys], dim=-2), torch.cat([part[1], values], dim=-2)
-            history = 0 if part is None else part[0].shape[-2]
-            keys._kvq_context = CodesContext(self, tuple(self.blocks[:whole]), base - history - self.evicted,  # type: ignore[attr-defined]
-                                             history=history, flushed=flushed)
-            self._pending_codes = True
-        else:
-            keys, values = self._visible(base, first)
-            if flushed is not None:
-                keys = keys.view(keys.shape)
-                keys._kvq_context = CodesContext(self, (), 0, history=base - first, flushed=flushed)  # type: ignore[attr-defined]
-        b, h, w, _ = self.keys.shape
-        per_token = self.keys.shape[-1] + self.values.shape[-1]  # K and V elements of one token and head
-        self.last_attention_bits = 8.0 * self.packed_bytes + WINDOW_BITS * b * h * w * per_token
-        self.last_attention_elements = b * h * (self.cumulative_length - self.evicted) * per_token
-        if block is not None:
-            self._commit(*block)
-        if self.flush == "sliding":
-            self._slide()
-        if self.sliding_window is not None:
-            self._evict(view_start(self.cumulative_length, self.sliding_window))
-        return keys, values
-
-    def _visible(self, base: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded history from token ``first`` to ``base``, then the window from ``first`` on."""
-        keys, values = self.keys, self.values
-        if base < first:
-            return keys[:, :, first - base:], values[:, :, first - base:]
-        hist = self.decoded_history()
-        if hist is not None and base > first:
-            lo, hi = first - self.evicted, base - self.evicted
-            keys = torch.cat([hist[0][:, :, lo:hi], keys], dim=-2)
-            values = torch.cat([hist[1][:, :, lo:hi], values], dim=-2)
-        return keys, values
-
-    def _evict(self, target: int) -> None:
-        """Drop stored tokens before position ``target`` that no later query can see (sliding
-        window): whole blocks, the leading tokens of a per-token block, old window tokens."""
-        plan = plan_eviction(self.block_tokens, self.evicted, target, separable(self.key_spec, self.value_spec))
-        if plan.evicted == self.evicted:
-            return
-        blocks, tokens = self.blocks[plan.drop_blocks:], self.block_tokens[plan.drop_blocks:]
-        if plan.cut:
-            pk, pv = blocks[0]
-            blocks[0] = (slice_tokens(pk, plan.cut, tokens[0]), slice_tokens(pv, plan.cut, tokens[0]))
-            tokens[0] -= plan.cut
-        gone = plan.evicted - self.evicted
-        self.blocks, self.block_tokens, self.evicted = blocks, tokens, plan.evicted
-        self.packed_length = max(self.packed_length, plan.evicted)
-        self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in blocks)
-        old_window = plan.evicted - (self.cumulative_length - self.window_length)
-        if old_window > 0:
-            self.keys, self.values = self.keys[:, :, old_window:].clone(), self.values[:, :, old_window:].clone()
-        if self._dec is not None and self._dec_tokens > plan.evicted:
-            self._dec = tuple(t[:, :, gone:] for t in self._dec)  # type: ignore[assignment]
-        else:
-            self.drop_decoded()
-
-    def mark_attended(self) -> None:
-        """Declare the last ``update``'s output used without the "kvq" attention function
-        (e.g. K/V written by an external prefill), so codes mode does not report it unconsumed."""
-        self._pending_codes = False
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) of the K/V the next ``update`` returns (as transformers' layers)."""
-        first = view_start(self.cumulative_length, self.sliding_window)
-        return self.cumulative_length - first + query_length, first
-
-    def get_max_length(self) -> int:
-        return -1 if self.sliding_window is None else self.sliding_window
-
-    def reset(self) -> None:
-        self.keys = self.values = None
-        self.is_initialized = False
-        self._clear()
-
-    # -- storage ------------------------------------------------------------------------------
-    @property
-    def window_length(self) -> int:
-        return 0 if self.keys is None or self.keys.dim() != 4 else self.keys.shape[-2]
-
-    def _encode_flush(self, keys: torch.Tensor, values: torch.Tensor, base: int) -> tuple[PackedKV, PackedKV, int] | None:
-        """The block to encode from window ``keys``/``values`` (its first token is token
-        ``base``), or None. Changes nothing.
-
-        "block": the window's whole multiples of ``residual`` tokens (none until it is full);
-        "sliding": the tokens not yet packed among all but the last ``residual - 1``, and when
-        fewer than ``stride``, more up to ``stride`` (as far as the window goes)."""
-        n, r = keys.shape[-2], self.residual
-        start = self.packed_length - base  # window tokens [0, start) are packed already (ahead)
-        if self.flush == "sliding":
-            need = n - max(r - 1, 0)
-            m = 0 if need <= start else min(n, max(need, start + self.stride)) - start
-        else:
-            m = 0 if n < max(r, 1) else (n if r == 0 else (n // r) * r)
-        if n == 0 or m <= 0:
-            return None
-        pk = self.kq.encode_keys(keys[:, :, start:start + m].contiguous())  # type: ignore[union-attr]
-        pv = self.vq.encode_values(values[:, :, start:start + m].contiguous())  # type: ignore[union-attr]
-        return pk, pv, m
-
-    def _blocks_before(self, base: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
-        """How many leading blocks lie wholly before token ``base``, and the decoded tokens
-        before ``base`` of the next block (one a sliding stride encoded ahead), if any."""
-        start = self.evicted
-        for i, t in enumerate(self.block_tokens):
-            if start + t > base:
-                if start == base:
-                    return i, None
-                k, v = self.decode_block(i)
-                return i, (k[:, :, : base - start], v[:, :, : base - start])
-            start += t
-        return len(self.blocks), None
-
-    def _window_codes(self, block: tuple[PackedKV, PackedKV, int] | None, base: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The window's packed tokens decoded (those encoded ahead by earlier steps, then this
-        step's block), for a decode-view step: its queries read the older ones from codes."""
-        parts = []
-        if self.packed_length > base:
-            hist = self.decoded_history()
-            parts.append((hist[0][:, :, base - self.evicted:], hist[1][:, :, base - self.evicted:]))  # type: ignore[index]
-        if block is not None:
-            parts.append(self.decode_pair(block[0], block[1]))
-        if not parts:
-            return None
-        return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
-
-    def _commit(self, pk: PackedKV, pv: PackedKV, m: int) -> None:
-        """Append an encoded block of ``m`` tokens; a block flush drops them from the window."""
-        self.blocks.append((pk, pv))
-        self.block_tokens.append(m)
-        self.packed_length += m
-        self.packed_bytes += pk.nbytes() + pv.nbytes()
-        if self.flush == "block":
-            self.keys = self.keys[:, :, m:].clone()
-            self.values = self.values[:, :, m:].clone()
-
-    def _slide(self) -> None:
-        """Sliding flush after a step: keep the last ``residual - 1`` tokens in the window (the
-        older ones are packed), then join the newest two blocks that hold no window token while
-        the later is at least as long as the one before, so block lengths never increase and
-        per-step flushes leave O(log n) blocks (a block encoded ahead joins once its tokens have
-        all left the window)."""
-        drop = self.window_length - max(self.residual - 1, 0)
-        if drop > 0:
-            self.keys = self.keys[:, :, drop:].clone()
-            self.values = self.values[:, :, drop:].clone()
-        old = self.cumulative_length - self.window_length
-        j, end = len(self.blocks), self.packed_length
-        while j and end > old:  # blocks still holding window tokens stay apart
-            j -= 1
-            end -= self.block_tokens[j]
-        while j >= 2 and self.block_tokens[j - 2] <= self.block_tokens[j - 1]:
-            (k1, v1), (k2, v2) = self.blocks[j - 2:j]
-            joined = (concat_tokens([k1, k2], self.kq.arrays), concat_tokens([v1, v2], self.vq.arrays))  # type: ignore[union-attr]
-            self.blocks[j - 2:j] = [joined]
-            self.block_tokens[j - 2:j] = [self.block_tokens[j - 2] + self.block_tokens[j - 1]]
-            j -= 1
-
-    def decode_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.decode_pair(*self.blocks[i])
-
-    def decode_pair(self, pk: PackedKV, pv: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
-        """A packed (keys, values) block decoded to torch, in the window's device and dtype."""
-        like = self.keys
-        k = to_torch(self.kq.decode_keys(pk), like.device, like.dtype)  # type: ignore[union-attr]
-        v = to_torch(self.vq.decode_values(pv), like.device, like.dtype)  # type: ignore[union-attr]
-        return k, v
-
-    def decoded_history(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All stored packed blocks decoded to ``[batch, kv_heads, packed_length - evicted, head_dim]`` (None if none)."""
-        if not self.blocks:
-            return None
-        if not self.cache_decoded:
-            parts = [self.decode_block(i) for i in range(len(self.blocks))]
-            return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
-        if self._dec_tokens < self.packed_length:
-            parts = [] if self._dec is None else [self._dec]
-            start = self.evicted
-            for i, t in enumerate(self.block_tokens):
-                if start + t > self._dec_tokens:  # (part of) block i is not decoded yet
-                    k, v = self.decode_block(i)
-                    skip = max(self._dec_tokens - start, 0)
-                    parts.append((k[:, :, skip:], v[:, :, skip:]))
-                start += t
-            self._dec = (torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2))
-            self._dec_tokens = self.packed_length
-        return self._dec
-
-    def drop_decoded(self) -> None:
-        """Free the decoded-history copy (it is rebuilt on demand)."""
-        self._dec, self._dec_tokens = None, 0
-
-    def snapshot(self) -> dict[str, Any]:
-        """The layer's state, to undo the next ``update`` with :meth:`restore`. Holds references
-        (updates rebind tensors, never write into them), not the decoded-history copy."""
-        state = {k: v for k, v in vars(self).items() if k not in ("_dec", "_dec_tokens")}
-        state["blocks"], state["block_tokens"] = list(self.blocks), list(self.block_tokens)
-        return state
-
-    def restore(self, state: dict[str, Any]) -> None:
-        """Back to a :meth:`snapshot`; the decoded history is rebuilt on demand."""
-        vars(self).update(state)
-        self.drop_decoded()
-
-    def window_bytes(self) -> int:
-        if self.window_length == 0:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-    def decoded_bytes(self) -> int:
-        if self._dec is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in self._dec)
-
-    # -- batch and beam operations (codes are moved, never re-quantized) ---------------------
-    def _map_batch(self, index: torch.Tensor) -> None:
-        index = index.to(torch.long)
-        self.blocks = [(_packed_take_batch(pk, index), _packed_take_batch(pv, index)) for pk, pv in self.blocks]
-        if self.window_length or (self.keys is not None and self.keys.dim() == 4):
-            self.keys = self.keys.index_select(0, index.to(self.keys.device))
-            self.values = self.values.index_select(0, index.to(self.values.device))
-        if self._dec is not None:
-            self._dec = tuple(t.index_select(0, index.to(t.device)) for t in self._dec)  # type: ignore[assignment]
-        self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in self.blocks)
-
-    def _batch(self) -> int:
-        if self.blocks:
-            return self.blocks[0][0].shape[0]
-        return self.keys.shape[0] if self.keys is not None and self.keys.dim() == 4 else 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized and self.cumulative_length:
-            self._map_batch(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized and self.cumulative_length:
-            if indices.dtype == torch.bool:
-                indices = indices.nonzero().flatten()
-            self._map_batch(torch.as_tensor(indices))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized and self.cumulative_length:
-            self._map_batch(torch.arange(self._batch()).repeat_interleave(repeats))
-
-    def check_crop(self, tokens_to_remove: int) -> tuple[int, int]:
-        """Raise if ``crop(tokens_to_remove)`` is impossible; else return how many whole blocks it
-        keeps and how many leading tokens of the next block (per-token layouts only)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicLayer")
-        n = -tokens_to_remove
-        if n > self.cumulative_length:
-            raise ValueError(f"crop: cannot remove {n} tokens from a layer holding {self.cumulative_length}")
-        if n and self.evicted:
-            raise KVQError(f"crop: layer {self.layer_idx} is a sliding-window layer that has dropped its first "
-                           f"{self.evicted} tokens; it cannot be rolled back")
-        rest = max(self.packed_length - (self.cumulative_length - n), 0)  # packed tokens past the cut
-        tokens = list(self.block_tokens)
-        while rest > 0 and tokens and tokens[-1] <= rest:
-            rest -= tokens.pop()
-        if rest and not separable(self.key_spec, self.value_spec):
-            raise KVQError(
-                f"crop: removing {n} tokens cuts inside a packed block of {tokens[-1]} tokens; "
-                f"only the window ({self.window_length} tokens) and whole blocks can be cropped"
-            )
-        return (len(tokens) - 1, tokens[-1] - rest) if rest else (len(tokens), 0)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove ``-tokens_to_remove`` tokens from the end: from the window, then whole blocks.
-
-        A cut inside a packed block keeps the block's leading tokens when the layout is per
-        token; otherwise it raises (the block's statistics cover all its tokens; dropping some
-        would need re-quantization).
-        """
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicLayer")
-        n = -tokens_to_remove
-        if n == 0 or not self.is_initialized:
-            return
-        keep_blocks, keep_tokens = self.check_crop(tokens_to_remove)
-        from_window = min(n, self.window_length)
-        blocks, tokens = self.blocks[:keep_blocks], self.block_tokens[:keep_blocks]
-        if keep_tokens:
-            pk, pv = self.blocks[keep_blocks]
-            blocks.append((slice_tokens(pk, 0, keep_tokens), slice_tokens(pv, 0, keep_tokens)))
-            tokens.append(keep_tokens)
-        if from_window:
-            w = self.window_length - from_window
-            self.keys, self.values = self.keys[:, :, :w].clone(), self.values[:, :, :w].clone()
-        if tokens != self.block_tokens:
-            self.blocks, self.block_tokens = blocks, tokens
-            self.packed_length = sum(tokens)
-            self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in blocks)
-            if self._dec is not None:
-                self._dec = tuple(t[:, :, : self.packed_length] for t in self._dec)  # type: ignore[assignment]
-                self._dec_tokens = min(self._dec_tokens, self.packed_length)
-        self.cumulative_length -= n
-
-
-@dataclasses.dataclass(frozen=True)
-class CodesContext:
-    """What the ``"kvq"`` attention function needs besides the K/V it is handed.
-
-    ``blocks``/``packed_length``: packed blocks not in the K/V (codes mode), scored from codes.
-    ``history``: leading K/V tokens that are decoded history (dequant mode). ``flushed``: this
-    step's sliding view: the window's first tokens decoded from their codes, for queries
-    ``residual`` or more tokens after them (see the module doc).
-    """
-
-    layer: KVQLayer
-    blocks: tuple[tuple[PackedKV, PackedKV], ...]
-    packed_length: int
-    history: int = 0
-    flushed: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def separable(key_spec: MethodSpec, value_spec: MethodSpec) -> bool:
-    """True when both layouts are per token, so packed blocks join and split along tokens."""
-    return token_separable(key_spec, "keys") and token_separable(value_spec, "values")
+__all__ = [  # the names this module has always offered, wherever they now live
+    "ATTENTION_MODES", "CHUNK_MODES", "FLUSH_MODES", "QUANTIZED_TYPES", "SLIDING_MODES", "WINDOW_BITS", "CodesContext",
+    "KVQCache", "KVQLayer", "dynamic_cache_nbytes", "mla_dims", "separable", "to_torch",
+]
 
 
 def _head_dim(config: Any) -> int:
     hd = getattr(config, "head_dim", None)
     return int(hd) if hd else int(config.hidden_size // config.num_attention_heads)
-
-
-def mla_dims(config: Any) -> tuple[int, int] | None:
-    """(latent dim, rope dim) of a multi-head latent attention model (DeepseekV3 style), whose
-    layers pass the compressed latent to the cache as "keys" and the shared rope part as
-    "values", or None for ordinary attention."""
-    rank = getattr(config, "kv_lora_rank", None)
-    if rank is None:
-        return None
-    return int(rank), int(config.qk_rope_head_dim)
 
 
 #: Layer types whose K/V kvq stores (the others keep their transformers layer, exact).
@@ -601,16 +73,16 @@ class KVQCache(Cache):
             attend by decoding (``attention="codes"`` is refused).
         method: a registered kvq method name (``kvq_core.list_methods()``).
         backend: a kvq backend name, or "auto" (picks torch when available for the device).
-        residual: tokens kept in full precision (see module doc); default is the method spec's
+        residual: tokens kept in full precision (:mod:`kvq_core.hf.flush`); default is the method spec's
             ``default_residual`` (OScaR/KIVI 128, OCTOPUS 32).
-        flush: "block" or "sliding" (module doc); default is the spec's ``default_flush``
+        flush: "block" or "sliding" (:mod:`kvq_core.hf.flush`); default is the spec's ``default_flush``
             ("sliding" for OCTOPUS, TurboQuant and PolarQuant, "block" otherwise), "block" when
             either layout shares statistics across tokens.
-        stride: tokens a sliding flush encodes at once (module doc): 1 encodes one token per
+        stride: tokens a sliding flush encodes at once (:mod:`kvq_core.hf.flush`): 1 encodes one token per
             step; S > 1 encodes every S steps, holding up to S - 1 tokens twice. Attention is
             the same either way.
-        chunks: "exact" or "decode": how a multi-token step of a sliding layer attends (module
-            doc); settable later through the ``chunks`` property (e.g. after a prefill).
+        chunks: "exact" or "decode": how a multi-token step of a sliding layer attends
+            (:mod:`kvq_core.hf.flush`); settable later through the ``chunks`` property (e.g. after a prefill).
         sliding_layers: "quantize" (default) stores sliding-window layers (Mistral, Gemma 2/3
             local layers, ...) in kvq codes too: tokens leave at the window edge as in transformers'
             sliding layers, and the method's exact recent window stays exact; "exact" keeps them as
@@ -731,7 +203,7 @@ class KVQCache(Cache):
 
     @property
     def chunks(self) -> str:
-        """How multi-token steps of sliding layers attend: "exact" or "decode" (module doc)."""
+        """How multi-token steps of sliding layers attend: "exact" or "decode" (:mod:`kvq_core.hf.flush`)."""
         modes = {layer.chunks for layer in self.kvq_layers}
         return modes.pop() if len(modes) == 1 else "exact"
 
@@ -776,38 +248,7 @@ class KVQCache(Cache):
         bytes are ``fp_layer_bytes``. ``dynamic_cache_bytes`` is what a ``DynamicCache`` holding the same tokens
         in the model's dtype would hold.
         """
-        packed = window = fp = dec = dyn = 0
-        bits = elements = 0.0
-        for layer in self.layers:
-            if isinstance(layer, KVQLayer):
-                packed += layer.packed_bytes
-                window += layer.window_bytes()
-                dec += layer.decoded_bytes()
-                bits += layer.last_attention_bits
-                elements += layer.last_attention_elements
-                if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
-                    b, h = layer.keys.shape[:2]
-                    tokens = layer.cumulative_length  # a DynamicSlidingWindowLayer holds sliding_window - 1
-                    if layer.sliding_window is not None:
-                        tokens = min(tokens, layer.sliding_window - 1)
-                    dyn += b * h * tokens * (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
-            elif getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-                nb = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-                fp += nb
-                dyn += nb
-                e = layer.keys.numel() + layer.values.numel()
-                bits += WINDOW_BITS * e
-                elements += e
-        return {
-            "packed_bytes": packed,
-            "window_bytes": window,
-            "fp_layer_bytes": fp,
-            "decoded_bytes": dec,
-            "total_bytes": packed + window + fp,
-            "dynamic_cache_bytes": dyn,
-            "bits_per_element": bits / elements if elements else math.nan,
-            "exact_layers": dict(self.exact_layers),
-        }
+        return memory_report(self.layers, self.exact_layers)
 
     def bits_per_element(self) -> float:
         """Stored bits per K/V element at the last attention step (exact tokens at 16 bits)."""
@@ -838,13 +279,3 @@ def _restore(layer: Any, state: dict[str, Any]) -> None:
         if isinstance(state.get(name), int):
             state[name] = getattr(layer, name)[:, :, : state[name]]
     vars(layer).update(state)
-
-
-def dynamic_cache_nbytes(cache: Cache) -> int:
-    """Bytes a transformers cache holds in its layers' ``keys``/``values`` tensors."""
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
