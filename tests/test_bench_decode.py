@@ -71,7 +71,7 @@ def _check(out: Path, prompts: list[int]) -> dict:
         if r["config"]["kind"] == "kvq":
             assert parts["attention"] > 0 and detail["codes"] > 0 and r["backends"]
     for p in prompts:
-        ref = rows[("fp", p)]
+        ref = rows[(decode.parse_config(decode.REFERENCE).label, p)]
         assert ref["ratio"] == 1.0 and ref["match"]["same"] == ref["match"]["of"] and ref["match"]["first_diff"] is None
     assert out.with_suffix(".md").read_text().startswith("# kvq bench decode")
     return res
@@ -87,6 +87,17 @@ def test_quick_on_tiny_llama(tiny_model: Path, tmp_path: Path) -> None:
 
     assert "kvq" not in ALL_ATTENTION_FUNCTIONS._local_mapping and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
     assert res["args"]["new"] == decode.QUICK["new"]
+
+
+def test_quanto_missing_is_reported_unavailable(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("transformers.cache_utils.is_optimum_quanto_available", lambda: False)
+    out = tmp_path / "decode.json"
+    assert decode.main(["--quick", "--configs", "quanto:nbits=4", "--text-file", str(tiny_model), "--out", str(out),
+                        "--no-plot", "--quiet"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["label"] for r in rows] == ["dynamic", "hf-quanto-int4"] and rows[0]["status"] == "ok"
+    assert rows[1]["status"] == "unavailable" and "optimum-quanto" in rows[1]["reason"]
+    assert "| hf-quanto-int4 | unavailable: ImportError: " in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow

@@ -60,8 +60,10 @@ from typing import Any
 from kvq_core.eval.caches import CacheConfig, build_cache, parse_config, stored
 from kvq_core.progress import progress
 
+#: the reference every run includes: transformers' DynamicCache
+REFERENCE = "dynamic:label=dynamic"
 DEFAULT_CONFIGS = (
-    "dynamic",
+    REFERENCE,
     "oscar:bits=2,label=oscar-int2",
     "octopus:bits=3,label=octopus-b3",
     "octopus:bits=3,stride=32,label=octopus-b3-stride32",
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"kvq bench decode: --{name.replace('_', '-')} must be >= 1")
     configs = [parse_config(c) for c in args.configs]
     if not any(c.kind == "fp" for c in configs):
-        configs.insert(0, parse_config("dynamic"))
+        configs.insert(0, parse_config(REFERENCE))
     configs.sort(key=lambda c: c.kind != "fp")  # the reference runs first
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):
