@@ -67,7 +67,7 @@ def _check(out: Path, prompts: list[int]) -> dict:
         parts, detail = r["breakdown_ms"], r["detail_ms"]
         assert all(parts[p] >= 0 for p in PARTS) and detail["codes"] <= parts["attention"] + 1e-9
         assert sum(parts.values()) <= detail["step"] * (1 + 1e-9)
-        assert r["kv_bytes"] > 0 and r["match"]["of"] == r["generated"]
+        assert r["kv_bytes"] > 0 and r["match"]["of"] == r["generated"] and r["torch_threads"] == 1
         if r["config"]["kind"] == "kvq":
             assert parts["attention"] > 0 and detail["codes"] > 0 and r["backends"]
     for p in prompts:

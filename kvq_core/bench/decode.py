@@ -136,6 +136,7 @@ class StepProfile:
         self._undo.append(lambda: local.__setitem__(impl, old) if had else local.pop(impl))
 
     def restore(self) -> None:
+        """Remove every wrapper, newest first."""
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
@@ -143,7 +144,7 @@ class StepProfile:
 
 
 @contextmanager
-def instrument(cache: Any, attn_impl: str) -> Iterator[StepProfile]:
+def instrument(cache: Any, impl: str) -> Iterator[StepProfile]:
     """Timers on ``cache.update``, the attention function and, inside them, the codec calls:
     kvq quantizers' encode/decode/attend, quanto layers' ``_quantize``/``_dequantize``."""
     from kvq_core.hf.cache import KVQLayer
@@ -151,7 +152,7 @@ def instrument(cache: Any, attn_impl: str) -> Iterator[StepProfile]:
     prof = StepProfile()
     try:
         prof.wrap(cache, "update", "update")
-        prof.wrap_attention(attn_impl, "attention")
+        prof.wrap_attention(impl, "attention")
         for layer in cache.layers:
             if isinstance(layer, KVQLayer) and layer.kq is not None:
                 for name, key in (("encode_keys", "encode"), ("decode_keys", "decode"), ("attend", "codes")):
@@ -273,6 +274,7 @@ def profile(run: Run, model: Any, steps: int) -> None:
             run.tokens.append(int(run.tok))
     run.row["breakdown_ms"], run.row["detail_ms"] = breakdown(prof.seconds, total, steps)
     run.row["profile_steps"] = steps
+    run.row["torch_threads"] = torch.get_num_threads()  # Numba's OpenMP layer can reset it when it starts
 
 
 def finish(runs: list[Run], token_elements: int, rows: list[dict[str, Any]]) -> None:
@@ -304,6 +306,7 @@ def _ms(x: float | None) -> str:
 
 
 def render_md(res: dict[str, Any]) -> str:
+    """The Markdown report: a header on the machine and method, one table per prompt length."""
     m, a = res["machine"], res["args"]
     lines = ["# kvq bench decode", "",
              f"{res['model']['name']} (fp32, {res['model']['layers']} layers, {res['model']['kv_heads']} KV heads x "
@@ -316,6 +319,9 @@ def render_md(res: dict[str, Any]) -> str:
              f"step): one instrumented segment of {a['profile_steps']} steps; *codes* is the share of attention spent "
              "in `Quantizer.attend`, *decode* the codec decode inside cache or attention. Same tokens: greedy tokens "
              "equal to DynamicCache's, position by position (first difference in brackets).", ""]
+    drift = sorted({r["torch_threads"] for r in res["rows"] if r["status"] == "ok"} - {m["threads"]})
+    if drift:
+        lines += [f"**Warning:** torch ran with {drift} thread(s) by the end of some runs, not {m['threads']}.", ""]
     for prompt in a["prompts"]:
         lines += [f"## prompt {prompt} tokens", "",
                   "| cache | tokens/s | vs dynamic | first step s | prefill s | step ms | encode | cache | attention "
@@ -380,6 +386,7 @@ def _versions() -> dict[str, str | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvq bench decode``."""
     p = argparse.ArgumentParser(prog="kvq bench decode", description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, nargs="+", default=None, help=f"prompt lengths in tokens (default {PROMPTS})")
     p.add_argument("--new", type=int, default=None, help="greedy steps per timed segment (default 128: one OScaR block)")
