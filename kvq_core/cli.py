@@ -14,6 +14,7 @@ from kvq_core.errors import KVQError
 FORWARDED = {
     ("bench", "fidelity"): "kvq_core.bench.fidelity",
     ("bench", "speed"): "kvq_core.bench.speed",
+    ("bench", "decode"): "kvq_core.bench.decode",
     ("eval", "ppl"): "kvq_core.eval.ppl",
     ("eval", "niah"): "kvq_core.eval.niah",
     ("export", "onnx"): "kvq_core.onnx.cli",
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("method")
     ip.add_argument("--json", action="store_true")
     sub.add_parser("demo", help="every method on embedded synthetic K/V (add --help for options)", add_help=False)
-    for group, names in (("bench", ("fidelity", "speed")), ("eval", ("ppl", "niah")), ("export", ("onnx",))):
+    for group, names in (("bench", ("fidelity", "speed", "decode")), ("eval", ("ppl", "niah")), ("export", ("onnx",))):
         gp = sub.add_parser(group, help=f"{group}: {', '.join(names)} (add --help after the name)")
         gp.add_argument("name", choices=names)
     return p

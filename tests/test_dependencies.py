@@ -32,6 +32,7 @@ EXTRAS_BY_PREFIX: dict[str, tuple[str, ...]] = {
     "kvq_core/hf": ("hf", "torch"),
     "kvq_core/eval": ("hf", "torch"),
     "kvq_core/bench": ("bench", "torch"),
+    "kvq_core/bench/decode.py": ("bench", "hf", "torch"),  # decodes SmolLM2 through transformers caches
     "kvq_core/testing": ("dev",),
     "kvq_core/dispatch": ("torch",),  # the kvq:: op dispatch for torch-tensor backends (main's restructure)
     "backends/kvq_numpy": (),
