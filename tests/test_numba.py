@@ -67,3 +67,22 @@ def test_cuda_kernels_under_the_simulator() -> None:
                           env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_first_compile_is_announced_and_cached(tmp_path) -> None:
+    """A kernel's first compile prints a start line and its duration on stderr; a second process
+    with the same disk cache loads it silently."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from kvq_core import get_quantizer; "
+            "q = get_quantizer('kivi', 'numba', bits=4, head_dim=16); "
+            "q.decode_values(q.encode_values(np.ones((1, 1, 3, 16), np.float32)))")
+    env = {**__import__("os").environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    first, second = runs[0].stderr, runs[1].stderr
+    assert "kvq numba: compiling cpu_intquant.encode_channel_groups" in first
+    assert "kvq numba: compiled cpu_intquant.encode_channel_groups in" in first
+    assert "kvq numba:" not in second

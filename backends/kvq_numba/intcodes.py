@@ -14,9 +14,11 @@ import numpy as np
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.kivi import KiviSpec
 from kvq_core.methods.oscar import OscarSpec
-from kvq_numba import cpu_attend, cpu_intquant, cpu_rotation, rules
+from kvq_numba import compile_notice, cpu_attend, cpu_intquant, cpu_rotation, rules
 from kvq_numba.arrays import as_float32, is_cuda_input
 from kvq_numba.cpu_common import half_bits, inv_sqrt
+
+compile_notice.install()
 
 Fields = dict[str, Any]
 
