@@ -151,27 +151,32 @@ def pack_row(codes, bits, out) -> None:
 def unpack_rows(codes, t0, n, bits, count, out) -> None:
     """Unpack rows ``t0 .. t0+n`` of the uint8 code rows ``codes`` [rows, row_bytes] into
     ``out[0 .. n]`` [>= n, count] (float32 or int): ``count`` codes of ``bits`` bits per row.
+    Both arrays C-contiguous.
 
-    Works on 2-D arrays with plain indices (no per-row views) so LLVM vectorises the fast paths.
+    The 2-, 4- and 8-bit paths (rows of whole bytes) run one loop over all the block's bytes
+    (flat views): per-row loops of d/4 bytes were too short to vectorise well (4x slower at d=64).
     """
     if bits == 2 and count % 4 == 0:
-        for i in range(n):
-            for j in range(count // 4):
-                b = np.int32(codes[t0 + i, j])
-                out[i, 4 * j] = b & 3
-                out[i, 4 * j + 1] = (b >> 2) & 3
-                out[i, 4 * j + 2] = (b >> 4) & 3
-                out[i, 4 * j + 3] = (b >> 6) & 3
+        c1 = codes[t0:t0 + n].reshape(n * (count // 4))
+        o1 = out[:n].reshape(n * count)
+        for j in range(n * (count // 4)):
+            b = np.int32(c1[j])
+            o1[4 * j] = b & 3
+            o1[4 * j + 1] = (b >> 2) & 3
+            o1[4 * j + 2] = (b >> 4) & 3
+            o1[4 * j + 3] = (b >> 6) & 3
     elif bits == 4 and count % 2 == 0:
-        for i in range(n):
-            for j in range(count // 2):
-                b = np.int32(codes[t0 + i, j])
-                out[i, 2 * j] = b & 15
-                out[i, 2 * j + 1] = b >> 4
+        c1 = codes[t0:t0 + n].reshape(n * (count // 2))
+        o1 = out[:n].reshape(n * count)
+        for j in range(n * (count // 2)):
+            b = np.int32(c1[j])
+            o1[2 * j] = b & 15
+            o1[2 * j + 1] = b >> 4
     elif bits == 8:
-        for i in range(n):
-            for j in range(count):
-                out[i, j] = codes[t0 + i, j]
+        c1 = codes[t0:t0 + n].reshape(n * count)
+        o1 = out[:n].reshape(n * count)
+        for j in range(n * count):
+            o1[j] = c1[j]
     else:
         mask = np.uint32((1 << bits) - 1)
         for i in range(n):
