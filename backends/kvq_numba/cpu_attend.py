@@ -12,8 +12,9 @@ Per (batch, KV head), for the query rows that share the head (GQA folded into ro
   ``sum_i p_i * offset_i`` once per row and group at the end.
 
 Each step is its own small function with plain loops, which LLVM vectorises (one large loop nest
-defeated it), inlined into the drivers (calls per 32-token block cost 5-15%). ``fastmath`` lets it reassociate the dot products; the conformance tolerances bound
-the difference to the float64 reference.
+defeated it), inlined into the drivers (calls per 32-token block cost 5-15%). ``fastmath`` lets
+it reassociate the dot products; the conformance tolerances bound the difference to the float64
+reference.
 """
 from __future__ import annotations
 
