@@ -257,13 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     import kvq_core
 
     if args.threads:
-        torch.set_num_threads(args.threads)
         try:
             import numba
 
             numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
         except ImportError:
             pass
+        torch.set_num_threads(args.threads)  # after numba's, which can reset torch's
     contexts = args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS)
     methods = args.methods or (QUICK_METHODS if args.quick else tuple(METHODS))
     known = {m.name for m in kvq_core.list_methods()}
