@@ -159,40 +159,44 @@ def test_blocks_before() -> None:
     assert blocks_before([4, 4, 2], 0, 10) == (3, 0)
 
 
-def _crop(blocks: list[int], n: int, *, window: int, per_token: bool, evicted: int = 0) -> tuple[int, int]:
+def _crop(blocks: list[int], n: int, *, window: int, granule: int, evicted: int = 0) -> tuple[int, int]:
     packed = sum(blocks) + evicted
     return plan_crop(blocks, -n, cumulative=packed + window, packed_length=packed, evicted=evicted, window=window,
-                     per_token=per_token, layer=3)
+                     granule=granule, layer=3)
 
 
 def test_plan_crop() -> None:
-    assert _crop([4, 4, 2], 3, window=3, per_token=False) == (3, 0)  # the window only
-    assert _crop([4, 4, 2], 5, window=3, per_token=False) == (2, 0)  # the window and the last block
-    assert _crop([4, 4, 2], 6, window=3, per_token=True) == (1, 3)  # per token: the cut block keeps 3
-    with pytest.raises(KVQError, match="cuts inside a packed block of 4 tokens; only the window \\(3 tokens\\)"):
-        _crop([4, 4, 2], 6, window=3, per_token=False)
+    assert _crop([4, 4, 2], 3, window=3, granule=0) == (3, 0)  # the window only
+    assert _crop([4, 4, 2], 5, window=3, granule=0) == (2, 0)  # the window and the last block
+    assert _crop([4, 4, 2], 6, window=3, granule=1) == (1, 3)  # per token: the cut block keeps 3
+    assert _crop([4, 4, 2], 7, window=3, granule=2) == (1, 2)  # token groups of 2: it keeps one whole group
+    with pytest.raises(KVQError, match="cuts inside a packed block of 4 tokens; only the window \\(3 tokens\\) and whole blocks"):
+        _crop([4, 4, 2], 6, window=3, granule=0)
+    with pytest.raises(KVQError, match="only the window \\(3 tokens\\) and whole 2-token groups of a block"):
+        _crop([4, 4, 2], 6, window=3, granule=2)
     with pytest.raises(ValueError, match="negative number"):
-        plan_crop([4], 1, cumulative=4, packed_length=4, evicted=0, window=0, per_token=True, layer=0)
+        plan_crop([4], 1, cumulative=4, packed_length=4, evicted=0, window=0, granule=1, layer=0)
     with pytest.raises(ValueError, match="cannot remove 14 tokens"):
-        _crop([4, 4, 2], 14, window=3, per_token=True)
+        _crop([4, 4, 2], 14, window=3, granule=1)
     with pytest.raises(KVQError, match="layer 3 is a sliding-window layer"):
-        _crop([4], 1, window=3, per_token=True, evicted=5)
-    assert _crop([4], 0, window=3, per_token=True, evicted=5) == (1, 0)  # removing nothing is fine
+        _crop([4], 1, window=3, granule=1, evicted=5)
+    assert _crop([4], 0, window=3, granule=1, evicted=5) == (1, 0)  # removing nothing is fine
 
 
-@given(blocks=st.lists(st.integers(1, 9), max_size=8), window=st.integers(0, 9), data=st.data())
-def test_plan_crop_keeps_exactly_the_leading_tokens(blocks: list[int], window: int, data: st.DataObject) -> None:
+@given(blocks=st.lists(st.integers(1, 9), max_size=8), window=st.integers(0, 9), granule=st.integers(0, 3),
+       data=st.data())
+def test_plan_crop_keeps_exactly_the_leading_tokens(blocks: list[int], window: int, granule: int,
+                                                    data: st.DataObject) -> None:
     packed = sum(blocks)
     n = data.draw(st.integers(0, packed + window))
     keep = min(packed, packed + window - n)  # packed tokens that survive
-    whole, part = _crop(blocks, n, window=window, per_token=True)
+    whole, part = _crop(blocks, n, window=window, granule=1)
     assert sum(blocks[:whole]) + part == keep and (part == 0 or part < blocks[whole])
-    boundaries = {sum(blocks[:i]) for i in range(len(blocks) + 1)}
-    if keep in boundaries:
-        assert _crop(blocks, n, window=window, per_token=False) == (whole, part)
+    if part == 0 or (granule and part % granule == 0):  # a block boundary, or whole groups of the cut block
+        assert _crop(blocks, n, window=window, granule=granule) == (whole, part)
     else:
         with pytest.raises(KVQError, match="cuts inside a packed block"):
-            _crop(blocks, n, window=window, per_token=False)
+            _crop(blocks, n, window=window, granule=granule)
 
 
 BLOCKER = '''

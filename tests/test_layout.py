@@ -96,5 +96,30 @@ def test_concat_and_slice_tokens_move_codes_exactly(backend: str) -> None:
     with pytest.raises(LayoutError, match="does not match"):
         concat_tokens([parts[0], other.encode_keys(k[:, :, :2])], q.arrays)
     oscar = kvq_core.get_quantizer("oscar", backend=backend, bits=2, head_dim=64)
-    with pytest.raises(LayoutError, match="shares statistics across tokens"):
+    with pytest.raises(LayoutError, match="whole number of oscar's 32-token groups"):
         concat_tokens([oscar.encode_keys(k[:, :, :4]), oscar.encode_keys(k[:, :, 4:])])
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("method", ["oscar", "kivi"])
+def test_token_group_blocks_join_and_split_on_group_boundaries(backend: str, method: str) -> None:
+    """Keys with statistics per 32-token group: blocks of whole groups join into exactly the
+    fields one encode of all the tokens gives (OScaR's per-token norm runs along axis 1), and a
+    block splits at group boundaries into exactly the fields of encoding that range."""
+    from kvq_core.layout import concat_tokens, slice_tokens, token_granule
+
+    q = kvq_core.get_quantizer(method, backend=backend, bits=2, head_dim=64)
+    assert token_granule(q.spec, "keys")[0] == 32 and token_granule(q.spec, "values")[0] == 1
+    k = np.random.default_rng(5).standard_normal((2, 3, 100, 64)).astype(np.float32)
+    fields = lambda p: {n: q.arrays.to_numpy(a) for n, a in p.fields.items()}  # noqa: E731
+    parts = [q.encode_keys(k[:, :, :64]), q.encode_keys(k[:, :, 64:96]), q.encode_keys(k[:, :, 96:])]
+    joined, whole = fields(concat_tokens(parts, q.arrays)), fields(q.encode_keys(k))
+    assert joined.keys() == whole.keys()
+    for name in whole:
+        np.testing.assert_array_equal(joined[name], whole[name], err_msg=name)
+    middle, direct = fields(slice_tokens(concat_tokens(parts, q.arrays), 32, 96)), fields(q.encode_keys(k[:, :, 32:96]))
+    for name in direct:
+        np.testing.assert_array_equal(middle[name], direct[name], err_msg=name)
+    assert slice_tokens(q.encode_keys(k), 96, 100).shape[2] == 4  # a partial last group, to the end
+    with pytest.raises(LayoutError, match="cuts inside"):
+        slice_tokens(q.encode_keys(k), 0, 40)

@@ -26,8 +26,15 @@ exactly); *after* that, tokens are packed:
 
 ``residual=0`` packs everything after each step under both.
 
+Under both policies, adjacent blocks join by the same rule when the layouts allow it
+(:func:`kvq_core.layout.token_granule`: per-token layouts always; token-group layouts such as
+OScaR and KIVI keys when the blocks before the last are whole groups, e.g. 128-token flushes
+of 32-token key groups), so attention from codes makes O(log n) kernel calls per layer and step,
+not one per flushed block.
+
 A crop (:func:`plan_crop`) removes tokens from the end: from the window, then whole blocks; a
-cut inside a block keeps its leading tokens only when the layout is per token.
+cut inside a block keeps its leading tokens when they are whole token groups (any count for a
+per-token layout).
 """
 from __future__ import annotations
 
@@ -100,15 +107,16 @@ def plan_crop(
     packed_length: int,
     evicted: int,
     window: int,
-    per_token: bool,
+    granule: int,
     layer: int,
 ) -> tuple[int, int]:
     """How a layer crops ``-tokens_to_remove`` tokens from its end: the whole blocks it keeps and
     the leading tokens of the next block it keeps (0: none). The window loses tokens first.
 
     Raises ValueError for a positive or too large count, KVQError when the layer has evicted
-    tokens (a sliding window) or the cut lands inside a block that is not ``per_token`` (its
-    statistics cover all its tokens: dropping some would need re-quantization)."""
+    tokens (a sliding window) or the cut lands inside a block where it would keep a partial
+    token group: blocks split only after whole ``granule``-token groups (1: per-token layouts;
+    0: not at all), since a group's statistics cover all its tokens."""
     if tokens_to_remove > 0:
         raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicLayer")
     n = -tokens_to_remove
@@ -124,9 +132,11 @@ def plan_crop(
         rest -= block_tokens[kept]
     if not rest:
         return kept, 0
-    if not per_token:
+    keep = block_tokens[kept - 1] - rest
+    if not granule or keep % granule:
+        whole = "whole blocks" if not granule else f"whole {granule}-token groups of a block"
         raise KVQError(
             f"crop: removing {n} tokens cuts inside a packed block of {block_tokens[kept - 1]} tokens; "
-            f"only the window ({window} tokens) and whole blocks can be cropped"
+            f"only the window ({window} tokens) and {whole} can be cropped"
         )
-    return kept - 1, block_tokens[kept - 1] - rest
+    return kept - 1, keep

@@ -20,6 +20,7 @@ over decoded (also in codes mode).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from kvq_core.hf.decoded import DecodedHistory
 from kvq_core.hf.flush import FLUSH_MODES, encode_range, join_range, plan_crop, window_drop
 from kvq_core.hf.view import step_view
 from kvq_core.hf.window import plan_eviction, view_start
-from kvq_core.layout import PackedKV, concat_tokens, slice_tokens, token_separable
+from kvq_core.layout import PackedKV, concat_tokens, slice_tokens, token_granule, token_separable
 from kvq_core.spec import MethodSpec
 
 ATTENTION_MODES = ("auto", "dequant", "codes")
@@ -98,6 +99,7 @@ class KVQLayer(DynamicLayer):
             )
         self.key_spec, self.value_spec = key_spec, value_spec
         self._per_token = per_token  # computed once: it builds layouts (~40 us), and _evict runs every step
+        self._granule = joint_granule(key_spec, value_spec)  # blocks of whole G-token groups join/split
         self.layer_idx, self.backend, self.residual, self.flush = layer_idx, backend, residual, flush
         self.chunks, self.stride = chunks, stride
         self.attention, self.cache_decoded, self._config = attention, cache_decoded, config
@@ -251,10 +253,10 @@ class KVQLayer(DynamicLayer):
         if drop > 0:
             self.keys = self.keys[:, :, drop:].clone()
             self.values = self.values[:, :, drop:].clone()
-        if self.flush != "sliding":
+        if not self._granule:
             return
         lo, hi = join_range(self.block_tokens, self.packed_length, self.cumulative_length - self.window_length)
-        if hi - lo > 1:
+        if hi - lo > 1 and all(t % self._granule == 0 for t in self.block_tokens[lo:hi - 1]):
             joined = (concat_tokens([pk for pk, _ in self.blocks[lo:hi]], self.kq.arrays),  # type: ignore[union-attr]
                       concat_tokens([pv for _, pv in self.blocks[lo:hi]], self.vq.arrays))  # type: ignore[union-attr]
             self.blocks[lo:hi] = [joined]
@@ -330,7 +332,7 @@ class KVQLayer(DynamicLayer):
         keeps and how many leading tokens of the next block (:func:`kvq_core.hf.flush.plan_crop`)."""
         return plan_crop(self.block_tokens, tokens_to_remove, cumulative=self.cumulative_length,
                          packed_length=self.packed_length, evicted=self.evicted, window=self.window_length,
-                         per_token=self._per_token, layer=self.layer_idx)
+                         granule=self._granule, layer=self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove ``-tokens_to_remove`` tokens from the end: from the window, then whole blocks.
@@ -365,6 +367,13 @@ class KVQLayer(DynamicLayer):
 def separable(key_spec: MethodSpec, value_spec: MethodSpec) -> bool:
     """True when both layouts are per token, so packed blocks join and split along tokens."""
     return token_separable(key_spec, "keys") and token_separable(value_spec, "values")
+
+
+def joint_granule(key_spec: MethodSpec, value_spec: MethodSpec) -> int:
+    """Token count G such that blocks of whole G-token groups join and split exactly, keys and
+    values alike (:func:`kvq_core.layout.token_granule`; 1 for per-token layouts); 0 if none."""
+    found = [token_granule(key_spec, "keys"), token_granule(value_spec, "values")]
+    return 0 if None in found else math.lcm(*(g for g, _ in found))
 
 
 def mla_dims(config: Any) -> tuple[int, int] | None:
