@@ -639,3 +639,21 @@ def test_eval_reports_are_written(tmp_path):
     summary = (tmp_path / "eval_summary.md").read_text()
     assert "Rotation codecs over sign seeds [0, 1]" in summary and "| octopus-3 | 3 | 4.20 | 2 |" in summary
     assert "| KL vs fp (10⁻³) |" in summary and "| octopus-3@seed0 | 3 | 4.20 | " in summary and "| +2.0% | 10.0 |" in summary
+
+
+def test_block_flush_joins_token_group_blocks(model):
+    """OScaR keys keep statistics per 32-token group; 32-token flushes still join (whole groups),
+    so the layer holds O(log n) blocks, and the joined history decodes as the blocks did."""
+    _attn(model, "sdpa")
+    cache = KVQCache(model.config, "oscar", bits=2, residual=32)
+    with torch.no_grad():
+        model(_ids(70), cache=cache)  # 64 tokens packed by the prefill flush
+        hist = cache.layers[0].decoded_history()[0].clone()
+        for step in range(200):
+            model(_ids(1, seed=step), cache=cache)
+    layer = cache.layers[0]
+    assert (layer.packed_length, sum(layer.block_tokens)) == (256, 256)
+    assert layer.block_tokens == sorted(layer.block_tokens, reverse=True)
+    assert len(layer.blocks) <= 1 + math.ceil(math.log2(256 // 32))
+    layer.drop_decoded()
+    assert torch.equal(layer.decoded_history()[0][:, :, :64], hist)  # re-decoded from the joined codes

@@ -17,19 +17,22 @@ def test_view_start():
 
 
 @pytest.mark.parametrize(
-    ("blocks", "evicted", "target", "per_token", "expected"),
+    ("blocks", "evicted", "target", "granule", "expected"),
     [
-        ((4, 4), 0, 0, True, Eviction(0, 0, 0)),  # nothing to drop
-        ((4, 4), 0, 4, False, Eviction(1, 0, 4)),  # exactly one whole block
-        ((4, 4), 0, 6, True, Eviction(1, 2, 6)),  # per-token: cut inside the second block
-        ((4, 4), 0, 6, False, Eviction(1, 0, 4)),  # token groups: the straddling block stays whole
-        ((4, 4), 0, 11, False, Eviction(2, 0, 11)),  # past every block: window tokens go too
-        ((3,), 5, 7, True, Eviction(0, 2, 7)),  # blocks start at the previous eviction
-        ((), 2, 9, False, Eviction(0, 0, 9)),
+        ((4, 4), 0, 0, 1, Eviction(0, 0, 0)),  # nothing to drop
+        ((4, 4), 0, 4, 0, Eviction(1, 0, 4)),  # exactly one whole block
+        ((4, 4), 0, 6, 1, Eviction(1, 2, 6)),  # per-token: cut inside the second block
+        ((4, 4), 0, 6, 0, Eviction(1, 0, 4)),  # a layout that never splits: the straddling block stays whole
+        ((4, 8), 0, 11, 2, Eviction(1, 6, 10)),  # token groups of 2: cut after the last whole group
+        ((4, 8), 0, 9, 4, Eviction(1, 4, 8)),
+        ((4, 8), 0, 7, 4, Eviction(1, 0, 4)),  # no whole group of the straddling block is out yet
+        ((4, 4), 0, 11, 0, Eviction(2, 0, 11)),  # past every block: window tokens go too
+        ((3,), 5, 7, 1, Eviction(0, 2, 7)),  # blocks start at the previous eviction
+        ((), 2, 9, 0, Eviction(0, 0, 9)),
     ],
 )
-def test_plan_eviction(blocks, evicted, target, per_token, expected):
-    assert plan_eviction(blocks, evicted, target, per_token) == expected
+def test_plan_eviction(blocks, evicted, target, granule, expected):
+    assert plan_eviction(blocks, evicted, target, granule) == expected
 
 
 @pytest.mark.parametrize("flush", ["block", "sliding"])

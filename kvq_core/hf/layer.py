@@ -98,7 +98,6 @@ class KVQLayer(DynamicLayer):
                 "values share statistics across tokens: use flush='block'"
             )
         self.key_spec, self.value_spec = key_spec, value_spec
-        self._per_token = per_token  # computed once: it builds layouts (~40 us), and _evict runs every step
         self._granule = joint_granule(key_spec, value_spec)  # blocks of whole G-token groups join/split
         self.layer_idx, self.backend, self.residual, self.flush = layer_idx, backend, residual, flush
         self.chunks, self.stride = chunks, stride
@@ -183,7 +182,7 @@ class KVQLayer(DynamicLayer):
     def _evict(self, target: int) -> None:
         """Drop stored tokens before position ``target`` that no later query can see (sliding
         window): whole blocks, the leading tokens of a per-token block, old window tokens."""
-        plan = plan_eviction(self.block_tokens, self.evicted, target, self._per_token)
+        plan = plan_eviction(self.block_tokens, self.evicted, target, self._granule)
         if plan.evicted == self.evicted:
             return
         blocks, tokens = self.blocks[plan.drop_blocks:], self.block_tokens[plan.drop_blocks:]

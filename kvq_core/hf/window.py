@@ -4,9 +4,8 @@ A sliding-window attention layer of window W only ever attends to its W - 1 most
 tokens plus the new ones (transformers' ``DynamicSlidingWindowLayer``). A kvq layer stores the
 tokens [evicted, cumulative) as packed blocks (oldest first) and a full-precision window; after
 each step it drops what no later query can see, i.e. everything before ``cumulative - (W - 1)``.
-Per-token layouts cut a block at that edge; a block whose statistics cover all its tokens (token
-groups: OScaR, KIVI) is dropped only once all its tokens are out, and until then the mask hides
-its old tokens.
+Per-token layouts cut a block at that edge; token-group layouts (OScaR, KIVI keys) cut it after
+its last whole group before the edge, and until the rest is out the mask hides its old tokens.
 """
 from __future__ import annotations
 
@@ -34,18 +33,18 @@ def view_start(cumulative: int, sliding_window: int | None) -> int:
     return max(cumulative - (sliding_window - 1), 0)
 
 
-def plan_eviction(block_tokens: Sequence[int], evicted: int, target: int, per_token: bool) -> Eviction:
+def plan_eviction(block_tokens: Sequence[int], evicted: int, target: int, granule: int) -> Eviction:
     """Drop stored tokens before position ``target``: whole blocks (``block_tokens`` from
-    position ``evicted`` on), then part of a block when ``per_token``. When every block goes,
-    the new first position is ``target`` (window tokens before it go too)."""
+    position ``evicted`` on), then the leading whole ``granule``-token groups of a block that
+    straddles ``target`` (1: any tokens of a per-token layout; 0: none, the block stays whole).
+    When every block goes, the new first position is ``target`` (window tokens before it go too)."""
     if target <= evicted:
         return Eviction(0, 0, evicted)
     start, drop = evicted, 0
     for tokens in block_tokens:
         if start + tokens > target:
-            if per_token and start < target:
-                return Eviction(drop, target - start, target)
-            return Eviction(drop, 0, start)
+            cut = (target - start) // granule * granule if granule and start < target else 0
+            return Eviction(drop, cut, start + cut)
         start += tokens
         drop += 1
     return Eviction(drop, 0, target)
