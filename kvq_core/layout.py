@@ -9,6 +9,7 @@ Those padding bits are stored, so they are counted in :func:`bits_per_element`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -113,6 +114,13 @@ def host_all_finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all())
 
 
+@functools.lru_cache(maxsize=64)
+def dtype_name(dtype: Any) -> str:
+    """A NumPy or torch dtype's short name ("float16"); cached, since ``str`` of a NumPy dtype
+    costs microseconds and every attend call validates each field."""
+    return str(dtype).replace("torch.", "")
+
+
 _spec_resolver: "Callable[[Mapping[str, Any]], MethodSpec] | None" = None
 
 
@@ -165,7 +173,7 @@ class PackedKV:
             raise LayoutError(f"{self.spec.method} {self.kind}: missing fields {missing}, unexpected {extra}")
         for name, f in layout.items():
             arr = self.fields[name]
-            shape, dtype = tuple(arr.shape), str(arr.dtype).replace("torch.", "")
+            shape, dtype = tuple(arr.shape), dtype_name(arr.dtype)
             if shape != f.shape or dtype != f.dtype:
                 raise LayoutError(
                     f"{self.spec.method} {self.kind} field {name!r}: got {dtype}{list(shape)}, "

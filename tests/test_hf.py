@@ -372,6 +372,39 @@ def test_sliding_stride_changes_nothing_attention_sees(model, stride):
     assert out.shape[1] == 4 and cache.get_seq_length() == 30
 
 
+def test_codes_mode_decodes_a_block_encoded_ahead_once(model, monkeypatch):
+    """Codes mode reads the tokens a stride encoded ahead decoded until the window passes them:
+    each such block is decoded once (kept, and reported in decoded_bytes), not at every step."""
+    from kvq_core.hf.layer import KVQLayer
+
+    counts = {"decode": 0, "commit": 0}
+    decode_pair, commit = KVQLayer.decode_pair, KVQLayer._commit
+
+    def counting_decode(self, pk, pv):
+        counts["decode"] += self.layer_idx == 0
+        return decode_pair(self, pk, pv)
+
+    def counting_commit(self, pk, pv, m):
+        counts["commit"] += self.layer_idx == 0
+        return commit(self, pk, pv, m)
+
+    monkeypatch.setattr(KVQLayer, "decode_pair", counting_decode)
+    monkeypatch.setattr(KVQLayer, "_commit", counting_commit)
+    _attn(model, "kvq")
+    ids = _ids(40, seed=13)
+    cache = KVQCache(model.config, "octopus", bits=3, residual=6, stride=8, attention="codes")
+    held = []
+    with torch.no_grad():
+        for t in range(40):
+            model(ids[:, t:t + 1], cache=cache)
+            held.append(cache.memory_report()["decoded_bytes"])
+    _attn(model, "sdpa")
+    assert counts["commit"] >= 4 and 0 < counts["decode"] <= counts["commit"]
+    assert max(held) > 0  # the decoded block is reported, not hidden
+    cache.drop_decoded()
+    assert cache.memory_report()["decoded_bytes"] == 0
+
+
 def test_flush_and_chunk_modes_are_checked(model):
     with pytest.raises(InputError, match="flush='sliding' needs per-token layouts"):
         KVQCache(model.config, "oscar", bits=2, flush="sliding")

@@ -44,28 +44,38 @@ def _visible(mask: torch.Tensor) -> torch.Tensor:
 def _softmax_parts(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GQA softmax attention in float32: ``out [b, hq, lq, d]`` and ``lse [b, hq, lq]``."""
+    """GQA softmax attention in float32: ``out [b, hq, lq, d]`` and ``lse [b, hq, lq]``.
+
+    Few torch calls on purpose: at decode each is a few microseconds of dispatch on tiny tensors,
+    and this runs once per layer and step."""
     b, hq, lq, d = q.shape
     hk = k.shape[1]
     g = hq // hk
     qg = q.float().reshape(b, hk, g * lq, d)
-    logits = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [b, hk, g*lq, t]
-    logits = logits.reshape(b, hk, g, lq, -1)
+    logits = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(scale)  # [b, hk, g*lq, t]
     if visible is not None:
         vis = visible[:, :, None] if visible.shape[1] == 1 else visible.reshape(visible.shape[0], hk, g, lq, -1)
-        logits = logits.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
-    out = torch.matmul(p.reshape(b, hk, g * lq, -1), v.float()).reshape(b, hq, lq, d)
+        logits = logits.reshape(b, hk, g, lq, -1).masked_fill(~vis, float("-inf")).reshape(b, hk, g * lq, -1)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    p = torch.exp(logits - lse)
+    if visible is not None:
+        p = p.nan_to_num_(0.0)  # a row that sees nothing: lse -inf, weights 0
+    out = torch.matmul(p, v.float()).reshape(b, hq, lq, d)
     return out, lse.reshape(b, hq, lq)
 
 
 def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Exact softmax over the union of disjoint token sets from per-set (out, lse)."""
-    lses = torch.stack([p[1] for p in parts])  # [n, b, hq, lq]
-    total = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - total).nan_to_num(0.0)
-    return sum(w[..., None] * p[0] for w, p in zip(weights, parts))  # type: ignore[return-value]
+    if len(parts) == 1:
+        return parts[0][0]
+    total = parts[0][1]
+    for _, lse in parts[1:]:
+        total = torch.logaddexp(total, lse)
+    out = None
+    for o, lse in parts:
+        term = o * torch.exp(lse - total).nan_to_num_(0.0).unsqueeze(-1)  # nan: every part empty
+        out = term if out is None else out.add_(term)
+    return out  # type: ignore[return-value]
 
 
 def _causal_visible(lq: int, w: int, device: torch.device) -> torch.Tensor:

@@ -116,6 +116,7 @@ class KVQLayer(DynamicLayer):
         self.packed_bytes = 0
         self.cumulative_length = 0
         self._decoded = DecodedHistory()
+        self._ahead: tuple[PackedKV, PackedKV, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._pending_codes = False
         self.last_attention_bits = 0.0  # stored bits when the last step attended (window at WINDOW_BITS)
         self.last_attention_elements = 0
@@ -265,6 +266,17 @@ class KVQLayer(DynamicLayer):
         """Block ``i`` decoded (see :meth:`decode_pair`)."""
         return self.decode_pair(*self.blocks[i])
 
+    def decode_ahead(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``i`` decoded, the last one asked for kept: a block a sliding stride encoded
+        ahead is read decoded at every step until the window has passed it (codes mode), and
+        decoding is deterministic, so it is decoded once. Kept by identity: a join, crop, restore
+        or batch selection makes new blocks, which miss."""
+        pk, pv = self.blocks[i]
+        hit = self._ahead
+        if hit is None or hit[0] is not pk or hit[1] is not pv:
+            hit = self._ahead = (pk, pv, self.decode_pair(pk, pv))
+        return hit[2]
+
     def decode_pair(self, pk: PackedKV, pv: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed (keys, values) block decoded to torch, in the window's device and dtype."""
         like = self.keys
@@ -282,8 +294,9 @@ class KVQLayer(DynamicLayer):
         return self._decoded.extend(self.block_tokens, self.evicted, self.packed_length, self.decode_block)
 
     def drop_decoded(self) -> None:
-        """Free the decoded-history copy (it is rebuilt on demand)."""
+        """Free the decoded copies (rebuilt on demand)."""
         self._decoded.clear()
+        self._ahead = None
 
     def snapshot(self) -> dict[str, Any]:
         """The layer's state, to undo the next ``update`` with :meth:`restore`. Holds references
@@ -304,8 +317,10 @@ class KVQLayer(DynamicLayer):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def decoded_bytes(self) -> int:
-        """Bytes of the decoded-history copy (dequant mode; not part of the stored cache)."""
-        return self._decoded.nbytes()
+        """Bytes of decoded copies: the history (dequant mode) and a block encoded ahead (codes
+        mode, :meth:`decode_ahead`); not part of the stored cache."""
+        ahead = 0 if self._ahead is None else sum(t.numel() * t.element_size() for t in self._ahead[2])
+        return self._decoded.nbytes() + ahead
 
     # -- batch and beam operations (:mod:`kvq_core.hf.batch`: codes moved, never re-quantized) --
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

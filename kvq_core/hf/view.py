@@ -104,7 +104,7 @@ def _blocks_before(layer: KVQLayer, base: int) -> tuple[int, Pair | None]:
     whole, part = blocks_before(layer.block_tokens, layer.evicted, base)
     if not part:
         return whole, None
-    k, v = layer.decode_block(whole)
+    k, v = layer.decode_ahead(whole)
     return whole, (k[:, :, :part], v[:, :, :part])
 
 
