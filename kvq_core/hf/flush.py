@@ -17,7 +17,7 @@ exactly); *after* that, tokens are packed:
   read exact until they age out, so attention is unchanged, decoding encodes once per S steps,
   and the cache holds up to S - 1 tokens twice (codes and exact). Per-step blocks are
   joined as they come (:func:`join_range`, :func:`kvq_core.layout.concat_tokens`), keeping
-  O(log n) blocks. A multi-token step attends its whole window exactly (as a prefill does), so
+  O(log n) blocks (each over :data:`JOIN_RATIO` times the next). A multi-token step attends its whole window exactly (as a prefill does), so
   its queries see ``residual``..``residual + chunk - 1`` exact tokens; with ``chunks="decode"``
   and the ``"kvq"`` attention function each of them sees what it would decoding one token at a
   time (window tokens ``residual`` or more positions back are read from their codes), so a
@@ -70,12 +70,21 @@ def window_drop(flush: str, residual: int, window: int, encoded: int) -> int:
     return encoded
 
 
+#: a settled block stays apart from the (joined) newer tokens after it only while it is more than
+#: this many times as long: each block is then over JOIN_RATIO times the next, so a layer holds at
+#: most log_R(n) + 1 settled blocks. 1 would be a binary counter (~log2(n) / 2 blocks on average,
+#: each an attend call per decode step: 5 at 2k tokens); 16 holds 2-3 and copies each token's
+#: codes ~20 times over its life, which costs far less than the calls it saves.
+JOIN_RATIO = 16
+
+
 def join_range(block_tokens: Sequence[int], packed_length: int, base: int) -> tuple[int, int]:
-    """Blocks ``[lo, hi)`` to join into one after a sliding step (fewer than two: none).
+    """Blocks ``[lo, hi)`` to join into one after a step (fewer than two: none).
 
     Blocks still holding window tokens (those ending after ``base``) stay apart; of the others,
-    the newest joins the one before while that one is no longer than it, repeatedly, so block
-    lengths never increase and single-token steps leave O(log n) blocks (a binary counter)."""
+    the newest joins the one before while that one is at most :data:`JOIN_RATIO` times as long
+    as what has joined so far, repeatedly, so settled block lengths shrink geometrically and a
+    layer holds O(log n) blocks."""
     hi, end = len(block_tokens), packed_length
     while hi and end > base:
         hi -= 1
@@ -83,7 +92,7 @@ def join_range(block_tokens: Sequence[int], packed_length: int, base: int) -> tu
     if hi < 2:
         return hi, hi
     lo, joined = hi - 1, block_tokens[hi - 1]
-    while lo and block_tokens[lo - 1] <= joined:
+    while lo and block_tokens[lo - 1] <= JOIN_RATIO * joined:
         lo -= 1
         joined += block_tokens[lo]
     return lo, hi
