@@ -17,6 +17,8 @@ from kvq_core.layout import host_all_finite, to_host
 
 def is_cuda_input(x: Any) -> bool:
     """True for device arrays (real or the numba CUDA simulator's), False for host arrays."""
+    if isinstance(x, np.ndarray) or getattr(getattr(x, "device", None), "type", None) == "cpu":
+        return False  # NumPy, or a CPU torch tensor (whose __cuda_array_interface__ raises: slow)
     if hasattr(x, "__cuda_array_interface__"):
         return True
     cuda = sys.modules.get("numba.cuda")
