@@ -146,7 +146,8 @@ def _value_offsets(p, n, vo, vbias) -> None:
 def _accumulate(p, vbuf, n, vs, acc) -> None:
     """``acc[r, c] += sum_i p[r, i] * vs[i, g(c)] * vbuf[i, c]``, with ``vs`` [>= n, groups] one
     scale per token and channel group (``g(c) = c // (d // groups)``), so value codes are never
-    dequantized. Four rows by two tokens per pass over a group: each value load feeds 8 FMAs.
+    dequantized. Four rows by two tokens per pass over a group (each value load feeds 8 FMAs),
+    then two rows by two tokens, then single rows.
 
     Groups are addressed as views (``[rows, groups, group]``) so every index is a loop counter
     from 0: computed offsets would get numba's negative-index fix-up, which blocks vectorising.
@@ -174,7 +175,22 @@ def _accumulate(p, vbuf, n, vs, acc) -> None:
                     a1[c] += w10 * x + w11 * y
                     a2[c] += w20 * x + w21 * y
                     a3[c] += w30 * x + w31 * y
-    for r in range(nr - nr % 4, nr):
+    r = nr - nr % 4
+    if nr % 4 >= 2:  # two rows by two tokens (GQA 2, 3, 6, ...)
+        for g in range(ng):
+            a0, a1 = acc3[r, g], acc3[r + 1, g]
+            for i0 in range(0, n2, 2):
+                v0, v1 = v3[i0, g], v3[i0 + 1, g]
+                s0, s1 = vs[i0, g], vs[i0 + 1, g]
+                w00, w01 = p[r, i0] * s0, p[r, i0 + 1] * s1
+                w10, w11 = p[r + 1, i0] * s0, p[r + 1, i0 + 1] * s1
+                for c in range(gs):
+                    x = v0[c]
+                    y = v1[c]
+                    a0[c] += w00 * x + w01 * y
+                    a1[c] += w10 * x + w11 * y
+        r += 2
+    for r in range(r, nr):
         _accumulate_row(p[r], v3, 0, n2, vs, acc3[r])
     if n2 < n:
         for r in range(nr):
