@@ -13,11 +13,36 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reaso
 
 def test_kernels_compile_once_per_signature() -> None:
     """Many conformance shapes/dtypes reuse one compiled specialisation per kernel (fixed dtypes)."""
-    from kvq_numba import cpu_attend, cpu_intquant
+    from kvq_numba import cpu_attend, cpu_attend_planes, cpu_intquant
 
     testing.check_method("numba", "oscar", max_examples=4, errors=False)
-    for kernel in (cpu_attend.attend_int_codes, cpu_intquant.encode_token_groups, cpu_intquant.decode_channel_groups):
+    for kernel in (cpu_attend.attend_int_codes, cpu_attend_planes.attend_planes, cpu_intquant.encode_token_groups,
+                   cpu_intquant.decode_channel_groups):
         assert 1 <= len(kernel.signatures) <= 2, (kernel, kernel.signatures)
+
+
+def test_vector_float16_widening_is_exact() -> None:
+    """cpu_simd.halves (8 lanes, integer ops, scalar tail) equals NumPy's float16 -> float32 for all
+    65,536 bit patterns: finite ones bit for bit, subnormals and signed zeros included; Inf as Inf."""
+    import numpy as np
+    from numba import njit
+
+    from kvq_numba.cpu_simd import halves
+
+    @njit
+    def widen(src, n, dst):
+        halves(src, 0, n, dst)
+
+    bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    want = bits.view(np.float16).astype(np.float32)
+    for n in (bits.size, bits.size - 5):  # whole vectors, and a scalar tail
+        got = np.full(bits.size, -7.0, np.float32)
+        widen(bits, n, got)
+        finite = np.isfinite(want[:n])
+        assert np.array_equal(got[:n][finite].view(np.uint32), want[:n][finite].view(np.uint32))
+        assert np.array_equal(np.isfinite(got[:n]), finite)  # Inf stays Inf; NaN stays non-finite
+        assert np.array_equal(got[:n][np.isinf(want[:n])], want[:n][np.isinf(want[:n])])
+        assert (got[n:] == -7.0).all()
 
 
 def test_supports_names_what_is_missing() -> None:

@@ -99,7 +99,7 @@ def _logits(qs, kbuf, n, bias, tok, p) -> None:
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _online_softmax(p, n, m, l, acc, vbias, ebits) -> None:
+def online_softmax(p, n, m, l, acc, vbias, ebits) -> None:
     """Online softmax step: logits ``p[:, :n]`` become weights; running max/sum/output (``acc``
     and the per-row value-offset sums ``vbias``) rescaled.
 
@@ -256,7 +256,7 @@ def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale
                 for i in range(n):
                     tok[i] = scale * knorm[b, t0 + i] if use_norm else scale
                 _logits(qs, kbuf, n, bias, tok, p)
-                _online_softmax(p, n, m, l, acc, vbias, ebits)
+                online_softmax(p, n, m, l, acc, vbias, ebits)
                 unpack_rows(vcodes[b, h], t0, n, bits, d, vbuf)
                 halves_to_floats(vsc[t0 * nvg:(t0 + n) * nvg], vs.reshape(BLOCK * nvg)[:n * nvg])
                 halves_to_floats(voc[t0 * nvg:(t0 + n) * nvg], vo.reshape(BLOCK * nvg)[:n * nvg])
@@ -304,7 +304,7 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
             for i in range(n):
                 tok[i] = scale * kgamma[b, h, t0 + i]
             _logits(q[b, h], kbuf, n, zero_bias, tok, p)
-            _online_softmax(p, n, m, l, acc, no_vbias, ebits)
+            online_softmax(p, n, m, l, acc, no_vbias, ebits)
             if values_fp16:
                 for i in range(n):
                     halves_to_floats(vhalf[b, h, t0 + i], vbuf[i])

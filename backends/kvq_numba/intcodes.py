@@ -14,7 +14,7 @@ import numpy as np
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.kivi import KiviSpec
 from kvq_core.methods.oscar import OscarSpec
-from kvq_numba import compile_notice, cpu_attend, cpu_intquant, cpu_rotation, rules
+from kvq_numba import compile_notice, cpu_attend, cpu_attend_planes, cpu_intquant, cpu_rotation, rules
 from kvq_numba.arrays import as_float32, is_cuda_input
 from kvq_numba.cpu_common import half_bits, inv_sqrt
 
@@ -93,14 +93,17 @@ class IntCodesNumba:
         return self._rotate(v)
 
     def attend(self, q: Any, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
-        """Scores from the codes in the rotated domain (``(Hq)·(Hk) = q·k``); one un-rotation of the output."""
+        """Scores from the codes in the rotated domain (``(Hq)·(Hk) = q·k``); one un-rotation of the output.
+        2- and 4-bit rows of whole 8-byte chunks take the vector kernel (cpu_attend_planes), others the general one."""
         if is_cuda_input(q):
             return self._gpu().attend(q, kfields, vfields, ctx, scale)
         b, hq, lq, d = q.shape
         hk = ctx.shape[1]
         qr = self._rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d))
         norm = as_float32(kfields["norm"]) if self.token_scaling else np.ones((1, 1), np.float32)
-        out, lse = cpu_attend.attend_int_codes(
+        kernel = (cpu_attend_planes.attend_planes if cpu_attend_planes.fits(self.bits, d, self.value_group)
+                  else cpu_attend.attend_int_codes)
+        out, lse = kernel(
             qr, np.ascontiguousarray(kfields["codes"]), half_bits(kfields["scale"]), half_bits(kfields["offset"]),
             norm, self.token_scaling, np.ascontiguousarray(vfields["codes"]), half_bits(vfields["scale"]),
             half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
