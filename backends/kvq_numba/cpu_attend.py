@@ -281,7 +281,6 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
     """
     nb, nhk, nr, d = q.shape
     nt = kcodes.shape[2]
-    ntrip = (d + 2) // 3
     out = np.empty((nb, nhk, nr, d), np.float32)
     lse = np.empty((nb, nhk, nr), np.float32)
     for bh in prange(nb * nhk):
@@ -294,13 +293,12 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
         vgain = np.ones((BLOCK, 1), np.float32)  # per-token value scale: gamma, or 1 for float16 rows
         kbuf = np.empty((BLOCK, d), np.float32)
         vbuf = np.empty((BLOCK, d), np.float32)
-        cbuf = np.empty((BLOCK, ntrip), np.int32)
         p = np.zeros((nr, BLOCK), np.float32)
         tok = np.empty(BLOCK, np.float32)
         ebits = np.empty(nr * BLOCK, np.int32)
         for t0 in range(0, nt, BLOCK):
             n = min(BLOCK, nt - t0)
-            decode_rows(kcodes[b, h], t0, n, bits, table, cbuf, kbuf)
+            decode_rows(kcodes[b, h], t0, n, bits, table, kbuf)
             for i in range(n):
                 tok[i] = scale * kgamma[b, h, t0 + i]
             _logits(q[b, h], kbuf, n, zero_bias, tok, p)
@@ -309,7 +307,7 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
                 for i in range(n):
                     halves_to_floats(vhalf[b, h, t0 + i], vbuf[i])
             else:
-                decode_rows(vcodes[b, h], t0, n, bits, table, cbuf, vbuf)
+                decode_rows(vcodes[b, h], t0, n, bits, table, vbuf)
                 for i in range(n):
                     vgain[i, 0] = vgamma[b, h, t0 + i]
             _accumulate(p, vbuf, n, vgain, acc)

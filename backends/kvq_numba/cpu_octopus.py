@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu_common import CHUNK, fwht_heads, pack_row, sum_squares
+from kvq_numba.cpu_simd import move4
 from kvq_numba.rules import triplet_code
 
 def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
@@ -80,61 +81,53 @@ def _code_at(row, j, bits, nbytes) -> np.int32:
 
 
 @njit(inline="always", cache=True)
-def _codes10(row, out) -> int:
-    """The leading codes of a row of 10-bit codes (OCTOPUS b=3), four from every five bytes with
-    constant shifts (LLVM vectorises this); returns how many it wrote (a multiple of 4)."""
-    nq = min(out.shape[0], (8 * row.shape[0]) // 10) // 4
-    m = np.uint64(1023)
-    for q in range(nq):
-        s = row[5 * q:5 * q + 5]
-        w = (np.uint64(s[0]) | (np.uint64(s[1]) << np.uint64(8)) | (np.uint64(s[2]) << np.uint64(16))
-             | (np.uint64(s[3]) << np.uint64(24)) | (np.uint64(s[4]) << np.uint64(32)))
-        o = out[4 * q:4 * q + 4]
-        o[0] = np.int32(w & m)
-        o[1] = np.int32((w >> np.uint64(10)) & m)
-        o[2] = np.int32((w >> np.uint64(20)) & m)
-        o[3] = np.int32((w >> np.uint64(30)) & m)
-    return 4 * nq
-
-
-@njit(inline="always", cache=True)
-def decode_rows(codes2d, t0, n, bits, table, cbuf, out) -> None:
+def decode_rows(codes2d, t0, n, bits, table, out) -> None:
     """Rows ``out[0 .. n]`` [.., d] = the rotated unit vectors (rho * direction per triplet, gamma
-    not applied) of code rows ``t0 .. t0+n``; ``table`` [2**bits, 3] is each code's rho * direction
-    (:func:`code_table`), ``cbuf`` int32 [>= n, n_triplets] is scratch.
+    not applied) of code rows ``t0 .. t0+n``; ``table`` float32 [2**bits * 4] holds each code's
+    rho * direction and a zero (:func:`code_table`).
 
-    Each code is read on its own (no serial bitstream), so the loops pipeline."""
+    A triplet is one 16-byte move of its table entry (the next triplet overwrites the fourth
+    float; the last full triplet and the padded one copy only what fits). 10-bit codes (OCTOPUS
+    b=3) come four from every five bytes with constant shifts; others are read one by one
+    (:func:`_code_at`), each on its own so the loops pipeline.
+    """
     d = out.shape[1]
-    ntrip = cbuf.shape[1]
+    ntrip = (d + 2) // 3
     nbytes = codes2d.shape[1]
     full = d // 3
+    m10 = np.uint64(1023)
     for i in range(n):
         row = codes2d[t0 + i]
-        ci = cbuf[i]
-        done = _codes10(row, ci) if bits == 10 else 0
-        for j in range(done, ntrip):
-            ci[j] = _code_at(row, j, bits, nbytes)
         o = out[i]
-        for j in range(full):
-            e = table[ci[j]]
-            o[3 * j] = e[0]
-            o[3 * j + 1] = e[1]
-            o[3 * j + 2] = e[2]
-        for j in range(full, ntrip):  # the zero-padded last triplet
-            e = table[ci[j]]
-            for k in range(d - 3 * j):
-                o[3 * j + k] = e[k]
+        j = 0
+        if bits == 10:
+            for g in range((full - 1) // 4):
+                s = row[5 * g:5 * g + 5]
+                w = (np.uint64(s[0]) | (np.uint64(s[1]) << np.uint64(8)) | (np.uint64(s[2]) << np.uint64(16))
+                     | (np.uint64(s[3]) << np.uint64(24)) | (np.uint64(s[4]) << np.uint64(32)))
+                move4(o, 12 * g, table, 4 * np.int64(w & m10))
+                move4(o, 12 * g + 3, table, 4 * np.int64((w >> np.uint64(10)) & m10))
+                move4(o, 12 * g + 6, table, 4 * np.int64((w >> np.uint64(20)) & m10))
+                move4(o, 12 * g + 9, table, 4 * np.int64((w >> np.uint64(30)) & m10))
+            j = 4 * ((full - 1) // 4)
+        for j in range(j, full - 1):
+            move4(o, 3 * j, table, 4 * np.int64(_code_at(row, j, bits, nbytes)))
+        for j in range(max(full - 1, 0), ntrip):
+            e = 4 * np.int64(_code_at(row, j, bits, nbytes))
+            for k in range(min(3, d - 3 * j)):
+                o[3 * j + k] = table[e + k]
 
 
 def code_table(bits: int, eta_bits: int, rho_bits: int, n_eta: int, rho_cb: np.ndarray, dirs: np.ndarray) -> np.ndarray:
-    """float32 [2**bits, 3]: what each triplet code decodes to, ``rho_cb[i_rho] * dirs[i_xi * n_eta
-    + i_eta]`` (the reference's float32 product; codes naming no direction decode to 0)."""
+    """float32 [2**bits * 4]: what each triplet code decodes to, ``rho_cb[i_rho] * dirs[i_xi * n_eta
+    + i_eta]`` (the reference's float32 product; codes naming no direction decode to 0), and a zero
+    that pads each entry to 16 bytes (one vector move per decoded triplet)."""
     c = np.arange(1 << bits)
     pair = (c >> (eta_bits + rho_bits)) * n_eta + ((c >> rho_bits) & ((1 << eta_bits) - 1))
     ok = pair < dirs.shape[0]
-    table = np.zeros((1 << bits, 3), np.float32)
-    table[ok] = rho_cb[c[ok] & ((1 << rho_bits) - 1), None].astype(np.float32) * dirs[pair[ok]].astype(np.float32)
-    return table
+    table = np.zeros((1 << bits, 4), np.float32)
+    table[ok, :3] = rho_cb[c[ok] & ((1 << rho_bits) - 1), None].astype(np.float32) * dirs[pair[ok]].astype(np.float32)
+    return table.reshape(-1)
 
 
 def decode(codes, gamma, signs, inv_sqrt_d, bits, table, d):
@@ -149,14 +142,12 @@ def decode(codes, gamma, signs, inv_sqrt_d, bits, table, d):
 def _unit_rows(codes, bits, table, d):
     """The rotated unit vectors ``v_hat`` float32 [b, h, t, d] of code rows (:func:`decode_rows`)."""
     nb, nh, nt = codes.shape[:3]
-    ntrip = (d + 2) // 3
     out = np.empty((nb, nh, nt, d), np.float32)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
-        cbuf = np.empty((CHUNK, ntrip), np.int32)
         for t0 in range(0, nt, CHUNK):
             n = min(CHUNK, nt - t0)
-            decode_rows(codes[b, h], t0, n, bits, table, cbuf, out[b, h, t0:t0 + n])
+            decode_rows(codes[b, h], t0, n, bits, table, out[b, h, t0:t0 + n])
     return out
 
 

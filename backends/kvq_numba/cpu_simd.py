@@ -163,6 +163,17 @@ def plane(typingctx, x, shift, mask):  # noqa: ANN001, ANN201
     return f32x8(x, shift, mask), codegen
 
 
+
+@intrinsic
+def move4(typingctx, dst, di, src, si):  # noqa: ANN001, ANN201
+    """``dst[di:di+4] = src[si:si+4]`` for 1-D float32 arrays: one 16-byte load and store."""
+    def codegen(context, builder, sig, args):
+        vec = ir.VectorType(_F32, 4)
+        value = builder.load(_element_ptr(context, builder, sig.args[2], args[2], args[3], vec), align=4)
+        builder.store(value, _element_ptr(context, builder, sig.args[0], args[0], args[1], vec), align=4)
+        return context.get_dummy_value()
+    return types.void(dst, di, src, si), codegen
+
 @intrinsic
 def halves8(typingctx, arr, idx):  # noqa: ANN001, ANN201
     """The float32 values of the eight float16 bit patterns ``arr[idx:idx+8]`` (uint16, 1-D).
