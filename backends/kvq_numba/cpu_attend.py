@@ -1,5 +1,7 @@
 """Fused Numba CPU decode-attention over integer codes: keys grouped along tokens (per channel
 scale/offset per token group, an optional per-token logit factor), values grouped along channels.
+This is the general kernel (any bit width and group size); 2- and 4-bit rows of whole 8-byte chunks
+take :mod:`kvq_numba.cpu_attend_planes`. Its online softmax serves every CPU attend kernel.
 
 Per (batch, KV head), for the query rows that share the head (GQA folded into rows):
 
@@ -22,7 +24,6 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu_common import halves_to_floats, unpack_rows
-from kvq_numba.cpu_octopus import decode_rows
 
 #: tokens per online-softmax block
 BLOCK = 32
@@ -266,54 +267,5 @@ def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale
             inv = np.float32(1) / l[r]
             for c in range(d):
                 out[b, h, r, c] = (acc[r, c] + vbias[r, c // vgroup]) * inv
-            lse[b, h, r] = m[r] + np.log(l[r])
-    return out, lse
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
-    """OCTOPUS attention of rotated queries ``q`` float32 [b, hk, rows, d] over triplet codes.
-
-    Keys: logit = gamma_t * <q, v_hat_t> * scale with v_hat_t decoded once per KV head and block.
-    Values: ``vgamma * v_hat`` (rotated domain; the caller un-rotates the output) or, when
-    ``values_fp16``, the float16 rows ``vhalf`` (uint16 bits [b, hk, t, d], original domain).
-    Returns (out float32 [b, hk, rows, d], lse float32 [b, hk, rows]).
-    """
-    nb, nhk, nr, d = q.shape
-    nt = kcodes.shape[2]
-    out = np.empty((nb, nhk, nr, d), np.float32)
-    lse = np.empty((nb, nhk, nr), np.float32)
-    for bh in prange(nb * nhk):
-        b, h = bh // nhk, bh % nhk
-        m = np.full(nr, -np.inf, np.float32)
-        l = np.zeros(nr, np.float32)
-        acc = np.zeros((nr, d), np.float32)
-        zero_bias = np.zeros(nr, np.float32)
-        no_vbias = np.zeros((nr, 0), np.float32)
-        vgain = np.ones((BLOCK, 1), np.float32)  # per-token value scale: gamma, or 1 for float16 rows
-        kbuf = np.empty((BLOCK, d), np.float32)
-        vbuf = np.empty((BLOCK, d), np.float32)
-        p = np.zeros((nr, BLOCK), np.float32)
-        tok = np.empty(BLOCK, np.float32)
-        ebits = np.empty(nr * BLOCK, np.int32)
-        for t0 in range(0, nt, BLOCK):
-            n = min(BLOCK, nt - t0)
-            decode_rows(kcodes[b, h], t0, n, bits, table, kbuf)
-            for i in range(n):
-                tok[i] = scale * kgamma[b, h, t0 + i]
-            _logits(q[b, h], kbuf, n, zero_bias, tok, p)
-            online_softmax(p, n, m, l, acc, no_vbias, ebits)
-            if values_fp16:
-                for i in range(n):
-                    halves_to_floats(vhalf[b, h, t0 + i], vbuf[i])
-            else:
-                decode_rows(vcodes[b, h], t0, n, bits, table, vbuf)
-                for i in range(n):
-                    vgain[i, 0] = vgamma[b, h, t0 + i]
-            _accumulate(p, vbuf, n, vgain, acc)
-        for r in range(nr):
-            inv = np.float32(1) / l[r]
-            for c in range(d):
-                out[b, h, r, c] = acc[r, c] * inv
             lse[b, h, r] = m[r] + np.log(l[r])
     return out, lse

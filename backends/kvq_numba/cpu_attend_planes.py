@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu_attend import online_softmax
-from kvq_numba.cpu_simd import bytes8, halves, plane, vadd, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
+from kvq_numba.cpu_simd import bytes8, halves, plane, vaccumulate, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
 
 #: query rows per tile (the micro-kernels are written for four)
 ROWS = 4
@@ -86,11 +86,6 @@ def _logits(qs, d, kc, t0, ilo, ihi, rb, bits, bias, tok, p) -> None:
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _add8(acc, pos, v) -> None:
-    vstore(acc, pos, vadd(vload(acc, pos), v))
-
-
-@njit(fastmath=True, cache=True, inline="always")
 def _weighted_values(pw, sb, vc, t0, n, rb, bits, chunks_per_group, acc, d) -> None:
     """``acc[r, pos] += sum_i pw[g, r, i] * code[t0 + i, pos]`` (plane order, ``acc`` [4 * d],
     ``pw`` [groups, 4, sb]): four rows by two planes per pass over the block's tokens."""
@@ -115,14 +110,14 @@ def _weighted_values(pw, sb, vc, t0, n, rb, bits, chunks_per_group, acc, d) -> N
                 w = vsplat(pw[w3 + i])
                 a30, a31 = vfma(w, v0, a30), vfma(w, v1, a31)
             pos = (ch * planes + s) * 8
-            _add8(acc, pos, a00)
-            _add8(acc, pos + 8, a01)
-            _add8(acc, d + pos, a10)
-            _add8(acc, d + pos + 8, a11)
-            _add8(acc, 2 * d + pos, a20)
-            _add8(acc, 2 * d + pos + 8, a21)
-            _add8(acc, 3 * d + pos, a30)
-            _add8(acc, 3 * d + pos + 8, a31)
+            vaccumulate(acc, pos, a00)
+            vaccumulate(acc, pos + 8, a01)
+            vaccumulate(acc, d + pos, a10)
+            vaccumulate(acc, d + pos + 8, a11)
+            vaccumulate(acc, 2 * d + pos, a20)
+            vaccumulate(acc, 2 * d + pos + 8, a21)
+            vaccumulate(acc, 3 * d + pos, a30)
+            vaccumulate(acc, 3 * d + pos + 8, a31)
 
 
 @njit(fastmath=True, cache=True, inline="always")

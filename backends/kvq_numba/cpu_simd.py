@@ -199,6 +199,12 @@ def halves8(typingctx, arr, idx):  # noqa: ANN001, ANN201
 
 
 @njit(inline="always", cache=True)
+def vaccumulate(acc, pos, v) -> None:
+    """``acc[pos:pos+8] += v`` for a 1-D float32 array."""
+    vstore(acc, pos, vadd(vload(acc, pos), v))
+
+
+@njit(inline="always", cache=True)
 def halves(src, lo, n, dst) -> None:
     """``dst[:n] = float32(src[lo:lo+n])`` for float16 bits ``src`` (uint16, 1-D): exact."""
     j = 0

@@ -1,5 +1,5 @@
 """The Numba kernels of OCTOPUS: NumPy/CPU input runs :mod:`kvq_numba.cpu_octopus` and the fused
-:func:`kvq_numba.cpu_attend.attend_octopus`; CUDA input runs :mod:`kvq_numba.gpu_octopus`."""
+:func:`kvq_numba.cpu_attend_octopus.attend_octopus`; CUDA input runs :mod:`kvq_numba.gpu_octopus`."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +8,7 @@ import numpy as np
 
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.octopus import OctopusSpec
-from kvq_numba import compile_notice, cpu_attend, cpu_octopus
+from kvq_numba import compile_notice, cpu_attend_octopus, cpu_octopus
 from kvq_numba.arrays import as_float32, is_cuda_input
 from kvq_numba.cpu_common import half_bits, inv_sqrt
 
@@ -94,7 +94,7 @@ class OctopusNumba:
         fp16 = self.spec.values == "fp16"
         empty_codes = np.zeros((1, 1, 1, 1), np.uint8)
         empty_f32 = np.zeros((1, 1, 1), np.float32)
-        out, lse = cpu_attend.attend_octopus(
+        out, lse = cpu_attend_octopus.attend_octopus(
             qr, np.ascontiguousarray(kfields["codes"]), as_float32(kfields["norm"]),
             empty_codes if fp16 else np.ascontiguousarray(vfields["codes"]),
             empty_f32 if fp16 else as_float32(vfields["norm"]),

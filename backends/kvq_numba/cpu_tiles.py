@@ -1,0 +1,71 @@
+"""Register tiles of four query rows over float32 rows (decoded codes) in 8-lane vectors
+(:mod:`kvq_numba.cpu_simd`), for the kernels that decode a block of rows before attending
+(OCTOPUS: rho * direction per triplet).
+
+Both keep eight accumulators in registers: logits four rows by two tokens per pass over ``d``;
+``P @ V`` four rows by two 8-channel vectors per pass over the block's tokens. ``d`` is a
+multiple of 16.
+"""
+from __future__ import annotations
+
+from numba import njit
+
+from kvq_numba.cpu_simd import vaccumulate, vfma, vhsum, vload, vsplat, vzero
+
+#: query rows per tile
+ROWS = 4
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def logits(qf, kf, d, n, tok, p) -> None:
+    """``p[r, i] = (qf[r] . kf[i]) * tok[i]`` for ``i < n``: ``qf`` [4 * d] and ``kf`` [>= n * d]
+    flat rows; an odd last token is computed twice."""
+    for i in range(0, n, 2):
+        i1 = min(i + 1, n - 1)
+        a00, a01, a10, a11 = vzero(), vzero(), vzero(), vzero()
+        a20, a21, a30, a31 = vzero(), vzero(), vzero(), vzero()
+        o0, o1 = i * d, i1 * d
+        for c in range(0, d, 8):
+            k0 = vload(kf, o0 + c)
+            k1 = vload(kf, o1 + c)
+            q = vload(qf, c)
+            a00, a01 = vfma(q, k0, a00), vfma(q, k1, a01)
+            q = vload(qf, d + c)
+            a10, a11 = vfma(q, k0, a10), vfma(q, k1, a11)
+            q = vload(qf, 2 * d + c)
+            a20, a21 = vfma(q, k0, a20), vfma(q, k1, a21)
+            q = vload(qf, 3 * d + c)
+            a30, a31 = vfma(q, k0, a30), vfma(q, k1, a31)
+        ta, tb = tok[i], tok[i1]
+        p[0, i], p[0, i1] = vhsum(a00) * ta, vhsum(a01) * tb
+        p[1, i], p[1, i1] = vhsum(a10) * ta, vhsum(a11) * tb
+        p[2, i], p[2, i1] = vhsum(a20) * ta, vhsum(a21) * tb
+        p[3, i], p[3, i1] = vhsum(a30) * ta, vhsum(a31) * tb
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def weighted_rows(pw, sb, vf, d, n, acc) -> None:
+    """``acc[r, c] += sum_i pw[r * sb + i] * vf[i, c]`` for ``i < n`` (``acc`` [4 * d], ``vf``
+    [>= n * d] flat rows)."""
+    for c in range(0, d, 16):
+        a00, a01, a10, a11 = vzero(), vzero(), vzero(), vzero()
+        a20, a21, a30, a31 = vzero(), vzero(), vzero(), vzero()
+        for i in range(n):
+            v0 = vload(vf, i * d + c)
+            v1 = vload(vf, i * d + c + 8)
+            w = vsplat(pw[i])
+            a00, a01 = vfma(w, v0, a00), vfma(w, v1, a01)
+            w = vsplat(pw[sb + i])
+            a10, a11 = vfma(w, v0, a10), vfma(w, v1, a11)
+            w = vsplat(pw[2 * sb + i])
+            a20, a21 = vfma(w, v0, a20), vfma(w, v1, a21)
+            w = vsplat(pw[3 * sb + i])
+            a30, a31 = vfma(w, v0, a30), vfma(w, v1, a31)
+        vaccumulate(acc, c, a00)
+        vaccumulate(acc, c + 8, a01)
+        vaccumulate(acc, d + c, a10)
+        vaccumulate(acc, d + c + 8, a11)
+        vaccumulate(acc, 2 * d + c, a20)
+        vaccumulate(acc, 2 * d + c + 8, a21)
+        vaccumulate(acc, 3 * d + c, a30)
+        vaccumulate(acc, 3 * d + c + 8, a31)
