@@ -154,14 +154,15 @@ def bytes8(typingctx, arr, idx):  # noqa: ANN001, ANN201
 
 
 @intrinsic
-def plane(typingctx, x, shift, mask):  # noqa: ANN001, ANN201
-    """``float32((x >> shift) & mask)`` lane-wise: one bit field of eight code bytes."""
+def plane(typingctx, x, shift, mask, center):  # noqa: ANN001, ANN201
+    """``float32((x >> shift) & mask) - center`` lane-wise: one bit field of eight code bytes,
+    centred (exact for codes below 2**24 and a half-integer ``center``)."""
     def codegen(context, builder, sig, args):
         sh = _splat(builder, _i32(context, builder, args[1], sig.args[1]), _VI)
         mk = _splat(builder, _i32(context, builder, args[2], sig.args[2]), _VI)
-        return builder.sitofp(builder.and_(builder.lshr(args[0], sh), mk), _VF)
-    return f32x8(x, shift, mask), codegen
-
+        c = _splat(builder, context.cast(builder, args[3], sig.args[3], types.float32), _VF)
+        return builder.fsub(builder.sitofp(builder.and_(builder.lshr(args[0], sh), mk), _VF), c)
+    return f32x8(x, shift, mask, center), codegen
 
 
 @intrinsic
