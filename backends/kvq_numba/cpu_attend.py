@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from kvq_numba.cpu_common import unpack_rows
 from kvq_numba.cpu_simd import halves, vfma, vload, vstore
-from kvq_numba.cpu_tiles import ROWS, logits, weighted_rows
+from kvq_numba.cpu_tiles import ROWS, logits, tile_of, tile_queries, weighted_rows, write_tile
 
 #: tokens per online-softmax block
 BLOCK = 32
@@ -122,21 +122,11 @@ def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale
     nt = kcodes.shape[2]
     nkg = kscale.shape[2]
     nvg = d // vgroup
-    ntile = (nr + ROWS - 1) // ROWS
     out = np.empty((nb, nhk, nr, d), np.float32)
     lse = np.empty((nb, nhk, nr), np.float32)
-    for job in prange(nb * nhk * ntile):
-        bh, tile = job // ntile, job % ntile
-        b, h = bh // nhk, bh % nhk
-        r0 = tile * ROWS
-        nrt = min(ROWS, nr - r0)
-        qf = np.zeros(ROWS * d, np.float32)
-        for r in range(nrt):
-            for c in range(d):
-                qf[r * d + c] = q[b, h, r0 + r, c]
-        m = np.full(ROWS, -np.inf, np.float32)
-        l = np.zeros(ROWS, np.float32)
-        acc = np.zeros(ROWS * d, np.float32)
+    for job in prange(nb * nhk * ((nr + ROWS - 1) // ROWS)):
+        b, h, r0, nrt = tile_of(job, nhk, nr)
+        qf, m, l, acc = tile_queries(q, b, h, r0, nrt)
         no_vbias = np.zeros((ROWS, 0), np.float32)
         ks = np.empty(d, np.float32)
         ko = np.empty(d, np.float32)
@@ -168,9 +158,5 @@ def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale
                 halves(voc, t0 * nvg, n * nvg, vo.reshape(BLOCK * nvg))
                 _dequantize_value_rows(vbuf, n, vs, vo)
                 weighted_rows(p.reshape(ROWS * BLOCK), BLOCK, vbuf.reshape(BLOCK * d), d, n, acc)
-        for r in range(nrt):
-            inv = np.float32(1) / l[r]
-            for c in range(d):
-                out[b, h, r0 + r, c] = acc[r * d + c] * inv
-            lse[b, h, r0 + r] = m[r] + np.log(l[r])
+        write_tile(acc, m, l, b, h, r0, nrt, out, lse)
     return out, lse

@@ -15,7 +15,7 @@ from numba import njit, prange
 from kvq_numba.cpu_attend import online_softmax
 from kvq_numba.cpu_octopus import decode_rows
 from kvq_numba.cpu_simd import halves
-from kvq_numba.cpu_tiles import ROWS, logits, weighted_rows
+from kvq_numba.cpu_tiles import ROWS, logits, tile_of, tile_queries, weighted_rows, write_tile
 
 #: tokens per online-softmax block (two decoded [BLOCK, d] blocks stay in L1 at d = 128)
 BLOCK = 32
@@ -31,21 +31,11 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
     """
     nb, nhk, nr, d = q.shape
     nt = kcodes.shape[2]
-    ntile = (nr + ROWS - 1) // ROWS
     out = np.empty((nb, nhk, nr, d), np.float32)
     lse = np.empty((nb, nhk, nr), np.float32)
-    for job in prange(nb * nhk * ntile):
-        bh, tile = job // ntile, job % ntile
-        b, h = bh // nhk, bh % nhk
-        r0 = tile * ROWS
-        nrt = min(ROWS, nr - r0)
-        qf = np.zeros(ROWS * d, np.float32)
-        for r in range(nrt):
-            for c in range(d):
-                qf[r * d + c] = q[b, h, r0 + r, c]
-        m = np.full(ROWS, -np.inf, np.float32)
-        l = np.zeros(ROWS, np.float32)
-        acc = np.zeros(ROWS * d, np.float32)
+    for job in prange(nb * nhk * ((nr + ROWS - 1) // ROWS)):
+        b, h, r0, nrt = tile_of(job, nhk, nr)
+        qf, m, l, acc = tile_queries(q, b, h, r0, nrt)
         no_vbias = np.zeros((ROWS, 0), np.float32)
         kbuf = np.empty((BLOCK, d), np.float32)
         vbuf = np.empty((BLOCK, d), np.float32)
@@ -74,9 +64,5 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
                     for i in range(n):
                         pw[r * BLOCK + i] = p[r, i] * vgamma[b, h, t0 + i]
             weighted_rows(pw, BLOCK, vflat, d, n, acc)
-        for r in range(nrt):
-            inv = np.float32(1) / l[r]
-            for c in range(d):
-                out[b, h, r0 + r, c] = acc[r * d + c] * inv
-            lse[b, h, r0 + r] = m[r] + np.log(l[r])
+        write_tile(acc, m, l, b, h, r0, nrt, out, lse)
     return out, lse

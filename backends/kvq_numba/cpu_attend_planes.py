@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu_attend import online_softmax
-from kvq_numba.cpu_tiles import ROWS
+from kvq_numba.cpu_tiles import ROWS, tile_of, tile_queries
 from kvq_numba.cpu_simd import bytes8, halves, plane, vaccumulate, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
 
 #: most tokens per online-softmax block (rounded down to whole key groups, at least one group)
@@ -153,23 +153,15 @@ def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, v
     sb = kgroup * max(1, BLOCK // kgroup)
     mid = np.float32((1 << bits) - 1) * np.float32(0.5)
     order = plane_order(d, bits)
-    ntile = (nr + ROWS - 1) // ROWS
     out = np.empty((nb, nhk, nr, d), np.float32)
     lse = np.empty((nb, nhk, nr), np.float32)
-    for job in prange(nb * nhk * ntile):
-        bh, tile = job // ntile, job % ntile
-        b, h = bh // nhk, bh % nhk
-        r0 = tile * ROWS
-        nrt = min(ROWS, nr - r0)
-        qo = np.zeros(ROWS * d, np.float32)  # channel order
+    for job in prange(nb * nhk * ((nr + ROWS - 1) // ROWS)):
+        b, h, r0, nrt = tile_of(job, nhk, nr)
+        qo, m, l, acc = tile_queries(q, b, h, r0, nrt)  # channel order
         qp = np.zeros(ROWS * d, np.float32)  # plane order
         for r in range(nrt):
             for j in range(d):
-                qo[r * d + j] = q[b, h, r0 + r, j]
-                qp[r * d + j] = q[b, h, r0 + r, order[j]]
-        m = np.full(ROWS, -np.inf, np.float32)
-        l = np.zeros(ROWS, np.float32)
-        acc = np.zeros(ROWS * d, np.float32)
+                qp[r * d + j] = qo[r * d + order[j]]
         qs = np.empty(ROWS * d, np.float32)
         bias = np.empty(ROWS, np.float32)
         ks = np.empty(d, np.float32)

@@ -8,12 +8,46 @@ multiple of 16.
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from kvq_numba.cpu_simd import vaccumulate, vfma, vhsum, vload, vsplat, vzero
 
 #: query rows per tile
 ROWS = 4
+
+
+@njit(cache=True, inline="always")
+def tile_of(job, nhk, nr):
+    """(batch, KV head, first query row, rows) of the ``prange`` job ``job`` over (batch, KV
+    head, tile of :data:`ROWS` of the ``nr`` query rows)."""
+    ntile = (nr + ROWS - 1) // ROWS
+    bh, tile = job // ntile, job % ntile
+    r0 = tile * ROWS
+    return bh // nhk, bh % nhk, r0, min(ROWS, nr - r0)
+
+
+@njit(cache=True, inline="always")
+def tile_queries(q, b, h, r0, nrt):
+    """The tile's query rows ``q[b, h, r0:r0 + nrt]`` flat [ROWS * d], zero rows after them, and
+    its zeroed softmax state: running max ``m``, sum ``l`` and output ``acc`` [ROWS * d]."""
+    d = q.shape[3]
+    qf = np.zeros(ROWS * d, np.float32)
+    for r in range(nrt):
+        for c in range(d):
+            qf[r * d + c] = q[b, h, r0 + r, c]
+    return qf, np.full(ROWS, -np.inf, np.float32), np.zeros(ROWS, np.float32), np.zeros(ROWS * d, np.float32)
+
+
+@njit(cache=True, inline="always")
+def write_tile(acc, m, l, b, h, r0, nrt, out, lse) -> None:
+    """``out[b, h, r0 + r] = acc[r] / l[r]`` and ``lse = m + log(l)`` for the tile's real rows."""
+    d = out.shape[3]
+    for r in range(nrt):
+        inv = np.float32(1) / l[r]
+        for c in range(d):
+            out[b, h, r0 + r, c] = acc[r * d + c] * inv
+        lse[b, h, r0 + r] = m[r] + np.log(l[r])
 
 
 @njit(fastmath=True, cache=True, inline="always")
