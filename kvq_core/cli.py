@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvq: error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:
-        print(f"kvq: error: {exc}; install the extra it needs, e.g. pip install 'kvq[bench,hf,torch]'", file=sys.stderr)
+        print(f"kvq: error: {exc}; install the extra it needs, e.g. {kvq_core.registry.install_hint('bench,hf,torch')}",
+              file=sys.stderr)
         return 2
 
 

@@ -164,6 +164,11 @@ class PackedKV:
     def bits_per_element(self) -> float:
         return 8.0 * self.nbytes() / self.num_elements
 
+    def __repr__(self) -> str:
+        """One line: method and spec, what and shape, stored bytes and bits per element (not the arrays)."""
+        return (f"PackedKV({self.kind} {self.spec.describe()}, shape={list(self.shape)}, {self.dtype}, layer={self.layer}, "
+                f"{self.nbytes():,} bytes, {self.bits_per_element():.3f} bits/elt)")
+
     def validate(self) -> None:
         """Check every field exists with the layout's dtype and shape; raise LayoutError if not."""
         layout = self.layout

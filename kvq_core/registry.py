@@ -21,9 +21,11 @@ Nothing here ever breaks ``import kvq_core``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.metadata
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -50,9 +52,28 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the built-ins are read from kvq's installed metadata
     tomllib = None  # type: ignore[assignment]
 
-#: The distribution whose ``kvq.plugins`` entry points are the built-ins.
-KVQ_DIST = "kvq"
+#: The distribution whose ``kvq.plugins`` entry points are the built-ins (``pip install kvq-core``;
+#: the import name is ``kvq_core``, the command ``kvq``).
+KVQ_DIST = "kvq-core"
 DISABLE_ENV = "KVQ_DISABLE_PLUGINS"
+#: Names users pass as ``backend=`` that are devices: the hint says to pass them as ``device=``.
+DEVICE_NAMES = ("cuda", "cpu", "gpu", "mps", "xpu")
+
+
+def normalized(dist: str) -> str:
+    """A distribution name as PEP 503 compares them (``kvq_core`` and ``KVQ-Core`` are ``kvq-core``)."""
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def install_hint(extra: str | None = None) -> str:
+    """The pip command that installs kvq with ``extra``: ``pip install 'kvq-core[torch]'``, or from
+    the source checkout kvq runs from, ``pip install -e '.[torch]'`` (its path when not the cwd)."""
+    found = _checkout_project()
+    if found is None:
+        return f"pip install '{KVQ_DIST}[{extra}]'" if extra else f"pip install {KVQ_DIST}"
+    root = found[1].parent
+    where = "." if root == Path.cwd().resolve() else str(root)
+    return f"pip install -e '{where}[{extra}]'" if extra else f"pip install -e '{where}'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +152,27 @@ def _origin_of(plugin_name: str, dist: str | None) -> str:
 
 
 def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
-    return ep.dist.name if ep.dist is not None else None
+    return normalized(ep.dist.name) if ep.dist is not None else None
+
+
+def _checkout_project() -> tuple[dict[str, Any], Path] | None:
+    """The ``[project]`` table of the source checkout ``kvq_core`` sits in, if it is kvq's own."""
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if tomllib is None or not pyproject.is_file():
+        return None
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    return (project, pyproject) if normalized(str(project.get("name", ""))) == KVQ_DIST else None
+
+
+def extras() -> tuple[str, ...]:
+    """kvq's optional extras (``torch``, ``numba``, ...), from the checkout or the installed metadata."""
+    found = _checkout_project()
+    if found is not None:
+        return tuple(found[0].get("optional-dependencies", {}))
+    try:
+        return tuple(importlib.metadata.metadata(KVQ_DIST).get_all("Provides-Extra") or ())
+    except importlib.metadata.PackageNotFoundError:
+        return ()
 
 
 def builtin_plugins() -> tuple[tuple[tuple[str, str], ...], str]:
@@ -141,12 +182,10 @@ def builtin_plugins() -> tuple[tuple[tuple[str, str], ...], str]:
     ``kvq_core`` sits in (a PYTHONPATH run, or an editable install whose metadata may predate the
     table), else the installed distribution's metadata (a wheel). Adding a backend is one line
     in that table; no core file changes."""
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    if tomllib is not None and pyproject.is_file():
-        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
-        if project.get("name") == KVQ_DIST:
-            table = project.get("entry-points", {}).get(hookspecs.ENTRY_POINT_GROUP, {})
-            return tuple((str(k), str(v)) for k, v in table.items()), str(pyproject)
+    found = _checkout_project()
+    if found is not None:
+        table = found[0].get("entry-points", {}).get(hookspecs.ENTRY_POINT_GROUP, {})
+        return tuple((str(k), str(v)) for k, v in table.items()), str(found[1])
     eps = importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
     return tuple((ep.name, ep.value) for ep in eps if _dist_name(ep) == KVQ_DIST), f"the installed {KVQ_DIST} metadata"
 
@@ -156,18 +195,25 @@ def _import_ref(ref: str) -> Any:
     return resolve(ref) if ":" in ref else importlib.import_module(ref)
 
 
+def _missing_extra(name: str, exc: BaseException) -> str:
+    """The install hint for a built-in plugin that failed to import a package (its extra)."""
+    if not isinstance(exc, ImportError):
+        return ""
+    return f"; install it with {install_hint(name)}" if name in extras() else ""
+
+
 def _load_plugins(pm: pluggy.PluginManager) -> dict[str, Record]:
     """Register the built-ins, then (unless disabled) every other ``kvq.plugins`` entry point;
     one record per plugin, loaded or failed with the reason."""
     plugins: dict[str, Record] = {}
 
-    def try_register(name: str, load: Callable[[], Any], origin: str) -> None:
+    def try_register(name: str, load: Callable[[], Any], origin: str, builtin: bool = False) -> None:
         if name in plugins:  # two distributions chose one entry-point name: keep both records
             name = f"{name} [{origin}]"
         try:
             pm.register(load(), name=name)
         except Exception as exc:  # any import/validation failure leaves the plugin unavailable
-            plugins[name] = Record(name, False, _why(exc), origin)
+            plugins[name] = Record(name, False, _why(exc) + (_missing_extra(name, exc) if builtin else ""), origin)
             return
         try:
             pm.check_pending()
@@ -183,11 +229,12 @@ def _load_plugins(pm: pluggy.PluginManager) -> dict[str, Record]:
                                    f"\"{hookspecs.ENTRY_POINT_GROUP}\"] table; reinstall kvq (pip install -e .)",
                                    f"built-in ({source})")
     for name, ref in table:
-        try_register(name, lambda r=ref: _import_ref(r), _origin_of(name, None))
+        try_register(name, lambda r=ref: _import_ref(r), _origin_of(name, None), builtin=True)
+    own = {"kvq_core"} | {ref.split(".")[0].split(":")[0] for _, ref in table}  # kvq's top-level packages
     if os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes"):
         for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
-            if _dist_name(ep) == KVQ_DIST:
-                continue  # the built-ins, loaded above
+            if _dist_name(ep) == KVQ_DIST or ep.value.split(".")[0].split(":")[0] in own:
+                continue  # the built-ins, loaded above (or kvq's own modules left by an install under a former name)
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.value
             try_register(ep.name, ep.load, _origin_of(ep.name, dist))
     return plugins
@@ -321,13 +368,24 @@ def reload() -> None:
 # ------------------------------------------------------------------------------------------------
 # methods
 # ------------------------------------------------------------------------------------------------
+def _did_you_mean(name: Any, known: list[str]) -> str:
+    """``"did you mean 'oscar'? "`` for a misspelt name, else ``""``."""
+    close = difflib.get_close_matches(str(name).lower(), known, n=2, cutoff=0.6)
+    return f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+
+
+def _failed_plugins() -> str:
+    failed = [f"{r.name} ({r.reason})" for r in state().plugins if not r.available]
+    return f"; plugins that failed to load: {'; '.join(failed)}" if failed else ""
+
+
 def _method(name: str) -> _Method:
     try:
         return state().methods[name]
     except KeyError:
-        failed = [f"{r.name} ({r.reason})" for r in state().plugins if not r.available]
-        extra = f"; plugins that failed to load: {'; '.join(failed)}" if failed else ""
-        raise UnknownMethodError(f"unknown method {name!r}; registered: {', '.join(sorted(state().methods))}{extra}") from None
+        known = sorted(state().methods)
+        raise UnknownMethodError(f"unknown method {name!r}; {_did_you_mean(name, known)}"
+                                 f"registered: {', '.join(known)}{_failed_plugins()}") from None
 
 
 def method_status(name: str) -> tuple[bool, str | None]:
@@ -371,9 +429,13 @@ def _backend(name: str) -> _Backend:
         return state().backends[name]
     except KeyError:
         known = sorted(state().backends)
-        failed = [f"{r.name} ({r.reason})" for r in state().plugins if not r.available]
-        extra = f"; plugins that failed to load: {'; '.join(failed)}" if failed else ""
-        raise UnknownBackendError(f"unknown backend {name!r}; registered: {', '.join(known)}{extra}") from None
+        if isinstance(name, str) and name.split(":")[0].lower() in DEVICE_NAMES:
+            hint = (f"{name!r} is a device, not a backend: pass device={name!r} (with backend='auto', which picks a "
+                    f"backend that serves the spec there, or a backend by name); ")
+        else:
+            hint = _did_you_mean(name, known)
+        raise UnknownBackendError(f"unknown backend {name!r}; {hint}registered: {', '.join(known)}"
+                                  f"{_failed_plugins()}") from None
 
 
 def backend_info(name: str) -> BackendInfo:
@@ -433,6 +495,22 @@ def supports(backend: str, spec: MethodSpec, device: str | None) -> tuple[bool, 
                                            f"{device or 'NumPy arrays'}: {reason}")
 
 
+def serving(spec: MethodSpec, device: str | None) -> list[str]:
+    """The backends that can serve ``spec`` on ``device`` here (what ``backend="auto"`` chooses among)."""
+    return [name for name, entry in sorted(state().backends.items())
+            if spec.method in entry.kernels and supports(name, spec, device)[0]]
+
+
+def alternatives(spec: MethodSpec, device: str | None) -> str:
+    """The fix for a backend that cannot serve ``spec``: the backends that can, on this device."""
+    where = device or "NumPy arrays"
+    names = serving(spec, device)
+    if not names:
+        return f"; no backend registered here serves {spec.describe()} on {where}"
+    return (f"; backends that can serve {spec.describe()} on {where} here: {', '.join(names)} "
+            f"(backend='auto' picks among them)")
+
+
 def select_backend(spec: MethodSpec | str, device: str | None = None) -> str:
     """Resolve ``backend="auto"`` through the firstresult hook ``kvq_select_backend``.
 
@@ -482,6 +560,9 @@ def list_backends() -> list[Record]:
     out = []
     for name, entry in sorted(state().backends.items()):
         ok, reason = backend_status(name)
+        if not ok and entry.origin.startswith("built-in") and "not installed" in str(reason) \
+                and "pip install" not in str(reason) and name in extras():
+            reason = f"{reason}; install it with {install_hint(name)}"
         served, problems = [], []
         for method, lazy in sorted(entry.kernels.items()):
             _, error = lazy.get() if ok else (None, None)
@@ -503,6 +584,6 @@ def kvq_select_backend(method: str, device: str | None, candidates: list[str]) -
 
 __all__ = [
     "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "backend_info", "backend_status", "builtin_plugins",
-    "kernel_factory", "list_backends", "list_methods", "list_plugins", "make_spec", "method_info", "method_status",
-    "select_backend", "serves", "spec_from_dict", "supports",
+    "alternatives", "extras", "install_hint", "kernel_factory", "list_backends", "list_methods", "list_plugins",
+    "make_spec", "method_info", "method_status", "select_backend", "serves", "serving", "spec_from_dict", "supports",
 ]

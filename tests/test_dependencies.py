@@ -1,6 +1,6 @@
 """Every third-party import of kvq's own code is declared in pyproject.toml (issue #17).
 
-A fresh ``pip install kvq`` (or ``kvq[extra]``) must not hit an undeclared import: one in a
+A fresh ``pip install kvq-core`` (or ``kvq-core[extra]``) must not hit an undeclared import: one in a
 method module emptied every backend. The sources of ``kvq_core`` and ``backends/`` are parsed
 (not imported, so a missing package cannot hide a module), every absolute import is collected
 (also those inside functions), module names are mapped to distributions, and each module may
@@ -59,7 +59,7 @@ def _requirement_name(req: str) -> str:
 
 def declared() -> tuple[set[str], dict[str, set[str]]]:
     """(core distributions, extra -> distributions) from pyproject.toml; self-references
-    such as ``kvq[torch,...]`` are expanded."""
+    such as ``kvq-core[torch,...]`` are expanded."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     core = {_requirement_name(r) for r in project["dependencies"]}
     raw = project.get("optional-dependencies", {})
@@ -67,7 +67,7 @@ def declared() -> tuple[set[str], dict[str, set[str]]]:
     for extra, reqs in raw.items():
         names: set[str] = set()
         for req in reqs:
-            m = re.match(r"\s*kvq\[([^\]]*)\]", req)
+            m = re.match(rf"\s*{re.escape(project['name'])}\[([^\]]*)\]", req)
             if m:
                 for sub in m.group(1).split(","):
                     names |= {_requirement_name(r) for r in raw.get(sub.strip(), [])}

@@ -245,4 +245,4 @@ def test_cli_names_the_missing_extra(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "backends")])}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert "pip install 'kvq[onnx,torch]'" in proc.stderr and "onnxscript" in proc.stderr
+    assert "pip install 'kvq-core[onnx,torch]'" in proc.stderr and "onnxscript" in proc.stderr

@@ -226,19 +226,20 @@ def test_builtins_from_installed_metadata_and_when_missing(tmp_path: Path, monke
     """A wheel has no pyproject.toml beside kvq_core: the installed metadata names the built-ins;
     with neither, kvq list says so instead of failing."""
     monkeypatch.setattr(registry, "__file__", str(tmp_path / "kvq_core" / "registry.py"))
-    info = tmp_path / "site" / "kvq-9.9.dist-info"
+    monkeypatch.setenv(registry.DISABLE_ENV, "1")  # the built-ins alone, whatever else this environment installed
+    info = tmp_path / "site" / "kvq_core-9.9.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvq\nVersion: 9.9\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvq-core\nVersion: 9.9\n")
     (info / "entry_points.txt").write_text("[kvq.plugins]\nkvq-methods = kvq_core.methods\nnumpy = kvq_numpy.plugin\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     assert registry.builtin_plugins() == ((("kvq-methods", "kvq_core.methods"), ("numpy", "kvq_numpy.plugin")),
-                                          "the installed kvq metadata")
+                                          "the installed kvq-core metadata")
     registry.reload()
     try:
         assert {b.name for b in kvq_core.list_backends()} == {"numpy"}
         (info / "entry_points.txt").write_text("")
         registry.reload()
-        kvq = _by_name(kvq_core.list_plugins())["kvq"]
+        kvq = _by_name(kvq_core.list_plugins())["kvq-core"]
         assert not kvq.available and "no built-in plugins" in kvq.reason and "pip install -e ." in kvq.reason
         assert kvq_core.list_backends() == []
     finally:

@@ -59,6 +59,7 @@ from typing import Any
 
 from kvq_core.eval.caches import CacheConfig, build_cache, parse_config, stored
 from kvq_core.progress import progress
+from kvq_core.results import out_help, results_dir
 
 #: the reference every run includes: transformers' DynamicCache
 REFERENCE = "dynamic:label=dynamic"
@@ -400,8 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tiny sizes for CI: prompt {QUICK['prompts'][0]}, {QUICK['new']} new tokens, 1 segment")
     p.add_argument("--model", help="a .gguf file or checkpoint directory (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--text-file", help="prompt text (default: WikiText-2 test, shared/data/wikitext2-test.txt)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/decode.json"),
-                   help="results JSON (default bench/results/decode.json); .md and .png beside it")
+    p.add_argument("--out", type=Path, default=results_dir() / "decode.json",
+                   help=out_help("results JSON, .md and .png beside it", results_dir() / "decode.json"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p

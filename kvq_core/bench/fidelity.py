@@ -25,6 +25,7 @@ import numpy as np
 import kvq_core
 from kvq_core.metrics import measure
 from kvq_core.progress import progress
+from kvq_core.results import out_help, results_dir
 from kvq_core.synthetic import make_kv, make_queries
 
 REGIMES = {"gaussian": "(a) unit Gaussian", "outliers": "(b) outlier channels", "sinks": "(c) token-norm imbalance"}
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128])
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for fidelity.{md,json,png}")
+    p.add_argument("--out", type=Path, default=results_dir(), help=out_help("directory for fidelity.{md,json,png}", results_dir()))
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     tokens = args.tokens or (256 if args.quick else 1024)

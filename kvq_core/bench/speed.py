@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvq_core.results import out_help, results_dir
+
 BACKENDS = ("numpy", "torch", "torch-compiled", "numba")
 METHODS = {
     "oscar": {"bits": 2},
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's); 1 gives steadier ratios on a shared machine")
     p.add_argument("--numpy-max-tokens", type=int, default=32768, help="skip the NumPy reference above this context")
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for speed.{md,json,png}")
+    p.add_argument("--out", type=Path, default=results_dir(), help=out_help("directory for speed.{md,json,png}", results_dir()))
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
 

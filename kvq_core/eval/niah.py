@@ -30,7 +30,7 @@ from kvq_core.eval.args import add_common_args
 from kvq_core.eval.caches import build_cache, parse_config, populate
 from kvq_core.eval.ppl import BEST, _write_json
 
-DEFAULT_OUT = "bench/results/eval_niah.json"
+OUT_NAME = "eval_niah.json"  # in kvq_core.results.results_dir() unless --out says otherwise
 # the PPL set minus the near-lossless and rate-matched rows (recall is costly on 2 CPU cores)
 DEFAULT_METHODS = (
     "fp", "quanto:nbits=2", "oscar:bits=4", "oscar:bits=3", "oscar:bits=2", "kivi:bits=2",
@@ -145,7 +145,7 @@ def run_cell(model: Any, tok: Any, prefix: list[int], question: list[int], cfg: 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq eval niah", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    add_common_args(p, methods=list(DEFAULT_METHODS), text_help="haystack text for --haystack wikitext", out=DEFAULT_OUT)
+    add_common_args(p, methods=list(DEFAULT_METHODS), text_help="haystack text for --haystack wikitext", out=OUT_NAME)
     p.add_argument("--haystack", choices=("wikitext", "filler"), default="wikitext",
                    help="haystack: the text file (default) or the classic repeated filler")
     p.add_argument("--tasks", nargs="+", default=["passkey", "multikey"], choices=("passkey", "multikey"))

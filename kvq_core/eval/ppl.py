@@ -59,7 +59,7 @@ DEFAULT_METHODS = (
     "turboquant:bits=2,high_bits_coords=32,residual=32,label=turboquant-2.5[rate of octopus-2]",
     BEST,
 )
-DEFAULT_OUT = "bench/results/eval_ppl.json"
+OUT_NAME = "eval_ppl.json"  # in kvq_core.results.results_dir() unless --out says otherwise
 
 
 def chunk_plan(cfg: CacheConfig, cache: Any, prefix: int, score: int, chunk: int | None,
@@ -221,7 +221,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq eval ppl", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    add_common_args(p, methods=list(DEFAULT_METHODS), text_help="text to score", out=DEFAULT_OUT)
+    add_common_args(p, methods=list(DEFAULT_METHODS), text_help="text to score", out=OUT_NAME)
     p.add_argument("--prefix", type=int, default=1536, help="tokens prefilled through the cache (default 1536)")
     p.add_argument("--score", type=int, default=512, help="tokens scored after the prefix (default 512)")
     p.add_argument("--chunk", type=int, default=None, help="teacher-forced chunk size (default: each cache's flush block)")

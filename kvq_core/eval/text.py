@@ -3,7 +3,7 @@
 
 WikiText-2 is looked for in ``$KVQ_EVAL_TEXT``, in ``shared/data`` beside an ancestor of the
 working directory or of this package (a checkout of the repo), and in kvq's cache; where none
-is found (e.g. after ``pip install "kvq[hf]"``) it is loaded once through ``datasets`` and
+is found (e.g. after ``pip install "kvq-core[hf]"``) it is loaded once through ``datasets`` and
 written to the cache, so later runs need neither the network nor ``datasets``.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def download_wikitext() -> Path:
     except ImportError as exc:
         raise FileNotFoundError(
             f"WikiText-2 ({DEFAULT_FILE}) was not found locally and the datasets package is not installed "
-            f"(pip install 'kvq[hf]' to download it once); or {_offline_help()}") from exc
+            f"(pip install 'kvq-core[hf]' to download it once); or {_offline_help()}") from exc
     print(f"kvq: {DEFAULT_FILE} not found locally; loading {name} {config} ({split}) through datasets",
           file=sys.stderr)
     try:

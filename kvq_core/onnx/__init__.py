@@ -1,4 +1,4 @@
-"""ONNX export of kvq's cache computations (issue #14); needs ``pip install 'kvq[onnx,torch]'``.
+"""ONNX export of kvq's cache computations (issue #14); needs ``pip install 'kvq-core[onnx,torch]'``.
 
 - :func:`export` writes one of :data:`GRAPHS` for a quantizer's spec and layer;
 - ``kvq export onnx METHOD --graph GRAPH -o FILE`` does the same from the shell (:mod:`kvq_core.onnx.cli`).

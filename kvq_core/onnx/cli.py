@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from kvq_core.onnx.exporter import export
     except ImportError as exc:
-        print(f"kvq: error: kvq export onnx needs torch, onnx and onnxscript: pip install 'kvq[onnx,torch]' ({exc})",
+        print(f"kvq: error: kvq export onnx needs torch, onnx and onnxscript: pip install 'kvq-core[onnx,torch]' ({exc})",
               file=sys.stderr)
         return 2
     from kvq_core.api import get_quantizer

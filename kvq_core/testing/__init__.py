@@ -1,5 +1,5 @@
 """kvq's public conformance suite: prove a backend (built-in or a plugin's) equal to the NumPy
-reference. Needs ``hypothesis`` (``pip install 'kvq[dev]'``).
+reference. Needs ``hypothesis`` (``pip install 'kvq-core[dev]'``).
 
 Quick start for a plugin author (in your own test suite)::
 

@@ -35,7 +35,7 @@ import numpy as np
 try:
     from hypothesis import strategies as st
 except ImportError as exc:  # pragma: no cover - hypothesis is a test dependency
-    raise ImportError("kvq_core.testing needs hypothesis (pip install 'kvq[dev]' or pip install hypothesis)") from exc
+    raise ImportError("kvq_core.testing needs hypothesis (pip install 'kvq-core[dev]' or pip install hypothesis)") from exc
 
 from kvq_core import registry
 from kvq_core.errors import SpecError
