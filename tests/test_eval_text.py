@@ -4,7 +4,9 @@ is made unimportable or replaced by a fake module in ``sys.modules``."""
 from __future__ import annotations
 
 import hashlib
+import socket
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -81,13 +83,53 @@ def test_offline_the_error_says_so_and_names_the_flag(elsewhere, monkeypatch) ->
         text.load_text()
     assert fake.calls == [text.WIKITEXT]
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.setattr(text, "hub_unreachable", lambda: None)  # the probe passed; datasets then failed
     with pytest.raises(FileNotFoundError, match=r"ConnectionError: Couldn't reach the hub.*--text-file PATH"):
         text.load_text()
+
+
+def _closed_port() -> int:
+    """A local TCP port nothing listens on (connecting is refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch) -> str:
+    """``$HF_ENDPOINT`` at a closed local port (no traffic leaves the machine), no proxy, online mode."""
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    for var in (*text.PROXY_VARS, *text.OFFLINE_VARS):
+        monkeypatch.delenv(var, raising=False)
+    return endpoint
+
+
+def test_an_unreachable_hub_fails_at_once_before_datasets_retries(elsewhere, unreachable_hub, monkeypatch) -> None:
+    fake = fake_datasets(rows=["never read"])
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    assert "cannot reach 127.0.0.1" in text.hub_unreachable()
+    t0 = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=r"hub is unreachable: cannot reach 127\.0\.0\.1.*--text-file PATH"):
+        text.load_text()
+    assert time.perf_counter() - t0 < 2 and fake.calls == []  # datasets was never asked
+
+
+def test_kvq_eval_without_a_text_file_fails_within_seconds(elsewhere, unreachable_hub, monkeypatch, capsys) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("tqdm")
+    monkeypatch.setitem(sys.modules, "datasets", fake_datasets(rows=["never read"]))
+    t0 = time.perf_counter()
+    for command in (["eval", "ppl"], ["eval", "niah"]):
+        assert cli.main([*command, "--out", str(elsewhere / "out.json")]) == 2
+        assert "--text-file PATH" in capsys.readouterr().err
+    assert time.perf_counter() - t0 < 10
 
 
 def test_download_joins_rows_like_the_repo_copy_and_caches_it(elsewhere, monkeypatch, capsys) -> None:
     rows = ["", " = Robert Boulter = \n", "", " Robert Boulter is an English actor .\n"]
     monkeypatch.setitem(sys.modules, "datasets", fake_datasets(rows))
+    monkeypatch.setattr(text, "hub_unreachable", lambda: None)
     body, source = text.load_text()
     assert body == "\n\n = Robert Boulter = \n\n\n\n\n Robert Boulter is an English actor .\n"
     cached = elsewhere / "cache" / text.DEFAULT_FILE

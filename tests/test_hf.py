@@ -248,7 +248,7 @@ def test_fp_layers_and_split_key_value_codecs(model):
         model(_ids(1), cache=cache)  # attends over 32 packed + 2 exact tokens
     report = cache.memory_report()
     assert report["fp_layer_bytes"] == dynamic_cache_nbytes(cache) - layer.window_bytes()
-    assert 3.0 < report["bits_per_element"] < 16.0
+    assert 3.0 < report["stored_bits_per_element"] < 16.0 < report["bits_per_element"]  # + the decoded copy (sdpa)
     keys_fp = KVQCache(model.config, "oscar", bits=2, fp_key_layers=(0,))
     assert keys_fp.layers[0].key_spec.method == "fp16" and keys_fp.layers[0].value_spec.method == "oscar"
 
@@ -264,10 +264,48 @@ def test_memory_accounting(model):
         model(_ids(1), cache=cache)  # dequant-mode attention decodes the packed history once
     report = cache.memory_report()
     assert report["dynamic_cache_bytes"] == dynamic_cache_nbytes(ref) * 65 // 64
-    assert cache.nbytes() == report["packed_bytes"] + report["window_bytes"] < dynamic_cache_nbytes(ref) / 3
-    assert report["decoded_bytes"] > 0  # dequant mode keeps a decoded copy; reported, not hidden
+    assert report["stored_bytes"] == report["packed_bytes"] + report["window_bytes"] < dynamic_cache_nbytes(ref) / 3
+    # dequant mode keeps a decoded copy of the 64 packed tokens (float32, K and V): counted, not hidden
+    assert report["decoded_bytes"] == 64 * 2 * 2 * 16 * 4 * cache.config.num_hidden_layers
+    assert cache.nbytes() == report["total_bytes"] == report["stored_bytes"] + report["decoded_bytes"]
+    assert report["bits_per_element"] == pytest.approx(
+        report["stored_bits_per_element"] + 8 * report["decoded_bytes"] / (65 * 2 * 2 * 16 * cache.config.num_hidden_layers))
     cache.drop_decoded()
     assert cache.memory_report()["decoded_bytes"] == 0
+    assert cache.nbytes() == cache.memory_report()["stored_bytes"]
+
+
+def test_a_decoded_copy_warns_once_with_why_and_the_fix(model):
+    """The memory saving silently lost in dequant mode (issue #27): one warning per cache, naming
+    the model's attention implementation and attn_implementation='kvq'; codes mode warns nothing."""
+    from kvq_core.hf import KVQMemoryWarning
+
+    _attn(model, "sdpa")
+    cache = KVQCache(model.config, "oscar", bits=2, residual=16)
+    with pytest.warns(KVQMemoryWarning) as got:
+        with torch.no_grad():
+            model(_ids(40), cache=cache)
+            for _ in range(3):
+                model(_ids(1), cache=cache)
+    assert len(got) == 1
+    message = str(got[0].message)
+    assert "decoded float copy" in message and "'sdpa', not 'kvq'" in message
+    assert "attn_implementation='kvq'" in message and "cache_decoded=False" in message
+    _attn(model, "kvq")
+    cache = KVQCache(model.config, "oscar", bits=2, residual=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(_ids(40), cache=cache)
+            model(_ids(1), cache=cache)
+    assert cache.memory_report()["total_bytes"] == cache.memory_report()["stored_bytes"]
+    _attn(model, "sdpa")
+    cache = KVQCache(model.config, "oscar", bits=2, residual=16, cache_decoded=False)  # no copy: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(_ids(40), cache=cache)
+            model(_ids(1), cache=cache)
 
 
 def test_head_dim_is_checked_against_the_method(models):
@@ -453,7 +491,11 @@ def test_codes_attention_generation_equals_dynamic_cache(model):
 
 def test_codes_mode_without_kvq_attention_is_caught(model):
     _attn(model, "sdpa")
+    with pytest.raises(InputError, match=r"attention='codes' needs .* 'kvq'.*says 'sdpa'.*attn_implementation='kvq'"):
+        KVQCache(model.config, "oscar", bits=2, residual=8, attention="codes")  # caught when the cache is built
+    _attn(model, "kvq")
     cache = KVQCache(model.config, "oscar", bits=2, residual=8, attention="codes")
+    _attn(model, "sdpa")  # switched after the cache was built: caught at the next step
     with torch.no_grad():
         model(_ids(10), cache=cache)
         with pytest.raises(KVQError, match="never consumed"):

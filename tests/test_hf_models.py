@@ -23,7 +23,7 @@ from tiny_models import SLIDING_WINDOW, build, configs  # noqa: E402
 
 import kvq_core  # noqa: E402
 from kvq_core.errors import InputError  # noqa: E402
-from kvq_core.hf import KVQCache  # noqa: E402
+from kvq_core.hf import KVQCache, KVQMemoryWarning  # noqa: E402
 
 from transformers import DynamicCache  # noqa: E402
 
@@ -66,9 +66,9 @@ def _batch(n=PROMPT, batch=2, pad=5, seed=0):
 
 
 def _gen(model, ids, mask, cache, **kw):
+    kw.setdefault("max_new_tokens", NEW)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache,
-                              pad_token_id=0, **kw)
+        return model.generate(ids, attention_mask=mask, do_sample=False, cache=cache, pad_token_id=0, **kw)
 
 
 def _kinds(config):
@@ -116,7 +116,7 @@ def test_every_codec_quantizes_every_layer(models, family, attn):
                 assert layer.sliding_window == SLIDING_WINDOW and layer.evicted == PROMPT + NEW - SLIDING_WINDOW \
                     or not kvq_core.layout.token_separable(layer.key_spec, "keys"), (method, layer.evicted)
         report = cache.memory_report()
-        assert report["bits_per_element"] < 16 and report["fp_layer_bytes"] == 0, method
+        assert report["stored_bits_per_element"] < 16 and report["fp_layer_bytes"] == 0, method
 
 
 def test_sliding_layers_can_stay_exact_and_say_so(models):
@@ -130,9 +130,34 @@ def test_sliding_layers_can_stay_exact_and_say_so(models):
     assert report["fp_layer_bytes"] > 0 and report["packed_bytes"] > 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # quantizing every layer warns about nothing
-        KVQCache(model.config, "octopus")
+        KVQCache(model.config, "octopus", residual=8)
     with pytest.raises(InputError, match="sliding_layers"):
         KVQCache(model.config, "octopus", sliding_layers="fp")
+
+
+def test_a_residual_covering_the_sliding_window_warns_and_is_reported(models):
+    """A sliding-window layer whose exact window covers every token it keeps stores no codes
+    (issue #27: OScaR/KIVI's residual 128 over Mistral's window): said once when the cache is
+    built, with the fix, and listed in memory_report()['uncoded_layers']."""
+    model = _model(models, "mistral", "kvq")
+    ids, mask = _batch(n=10, batch=1)  # a prompt shorter than the residual: decoding alone fills the window
+    for method, residual, flush in (("oscar", None, "block"), ("kivi", SLIDING_WINDOW + 1, "block"),
+                                    ("octopus", SLIDING_WINDOW, "sliding")):
+        r = 128 if residual is None else residual
+        with pytest.warns(KVQMemoryWarning, match=rf"2 of 2 layers quantize nothing.*residual={r} with flush='{flush}' "
+                                                  rf"covers its sliding_window={SLIDING_WINDOW}.*residual={SLIDING_WINDOW // 2}"):
+            cache = KVQCache(model.config, method, residual=residual)
+        _gen(model, ids, mask, cache, max_new_tokens=3 * SLIDING_WINDOW)
+        report = cache.memory_report()
+        assert report["packed_bytes"] == 0 and set(report["uncoded_layers"]) == {0, 1}, method
+    for method, residual in (("octopus", SLIDING_WINDOW - 1), ("kivi", SLIDING_WINDOW)):  # one token short: codes
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KVQMemoryWarning)
+            cache = KVQCache(model.config, method, residual=residual)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KVQMemoryWarning)  # KIVI's straddling token group is read decoded
+            _gen(model, ids, mask, cache, max_new_tokens=3 * SLIDING_WINDOW)
+        assert cache.memory_report()["uncoded_layers"] == {} and all(layer.packed_bytes for layer in cache.kvq_layers)
 
 
 def test_mistral_sliding_window_compresses_with_the_default_config():

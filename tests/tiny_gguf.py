@@ -32,8 +32,11 @@ def write_tiny_llama_gguf(
     context: int = 2048,
     seed: int = 0,
     name: str = GGUF_NAME,
+    tokenizer: bool = False,
 ) -> Path:
-    """Write the GGUF into ``directory`` and return its path. All 2-D weights are Q4_1."""
+    """Write the GGUF into ``directory`` and return its path. All 2-D weights are Q4_1. With
+    ``tokenizer`` it also carries a byte-level BPE tokenizer (the 256 bytes, no merges, as GPT-2
+    spells bytes; ``vocab`` must be 256), so ``AutoTokenizer`` loads from it as from a real GGUF."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -51,6 +54,8 @@ def write_tiny_llama_gguf(
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
+    if tokenizer:
+        _add_byte_tokenizer(writer, vocab)
 
     def mat(rows: int, cols: int, std: float) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * std).astype(np.float32)
@@ -80,6 +85,22 @@ def write_tiny_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_byte_tokenizer(writer, vocab: int) -> None:
+    """GPT-2's byte-to-unicode alphabet as the token list: every text encodes, one token per byte."""
+    if vocab != 256:
+        raise ValueError(f"a byte tokenizer needs vocab=256, got {vocab}")
+    # GPT-2's bytes_to_unicode: printable bytes stand for themselves, the others for 256 + i
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    alphabet = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([alphabet[b] for b in range(256)])
+    writer.add_token_types([1] * 256)
+    writer.add_token_scores([0.0] * 256)  # no merges: transformers derives them from the scores (none here)
+    writer.add_bos_token_id(ord("\x02"))  # STX / ETX: bytes no test text holds
+    writer.add_eos_token_id(ord("\x03"))
 
 
 def load_tiny_llama(directory: str | Path, **kwargs):

@@ -166,7 +166,8 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvq bench fidelity``."""
     p = argparse.ArgumentParser(prog="kvq bench fidelity", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer tokens and heads (under a minute)")
     p.add_argument("--backend", default="numpy")
@@ -177,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=results_dir(), help=out_help("directory for fidelity.{md,json,png}", results_dir()))
     p.add_argument("--no-plot", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     tokens = args.tokens or (256 if args.quick else 1024)
     kv_heads = args.kv_heads or (4 if args.quick else 8)
     t0 = time.perf_counter()

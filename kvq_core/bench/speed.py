@@ -268,7 +268,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvq bench speed``."""
     p = argparse.ArgumentParser(prog="kvq bench speed", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="contexts 4k and 32k, methods oscar and kivi")
     p.add_argument("--contexts", type=int, nargs="+", default=None)
@@ -283,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numpy-max-tokens", type=int, default=32768, help="skip the NumPy reference above this context")
     p.add_argument("--out", type=Path, default=results_dir(), help=out_help("directory for speed.{md,json,png}", results_dir()))
     p.add_argument("--no-plot", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvq-inductor"))
     import torch

@@ -8,10 +8,13 @@ written to the cache, so later runs need neither the network nor ``datasets``.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
+import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 DEFAULT_FILE = "wikitext2-test.txt"
 ENV = "KVQ_EVAL_TEXT"
@@ -53,6 +56,41 @@ def _offline_help() -> str:
             f"or put {DEFAULT_FILE} in {cache_dir()} (${CACHE_ENV})")
 
 
+#: Seconds the hub reachability probe waits (name lookup and TCP connect) before giving up.
+PROBE_SECONDS = 3.0
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARS)
+
+
+def hub_unreachable(timeout: float = PROBE_SECONDS) -> str | None:
+    """Why the Hugging Face hub (``$HF_ENDPOINT``, default huggingface.co) cannot be reached, or
+    None when a TCP connection opens within ``timeout`` seconds (or a proxy is configured, which
+    this probe cannot see through). Asked before ``datasets``, whose retries take half a minute
+    to fail on a machine without a network."""
+    if any(os.environ.get(v) for v in PROXY_VARS):
+        return None
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+    def connect() -> None:
+        socket.create_connection((host, port), timeout=timeout).close()
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # name lookups have no timeout of their own
+    try:
+        pool.submit(connect).result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        return f"no answer from {host}:{port} within {timeout:g} s"
+    except OSError as exc:
+        return f"cannot reach {host}:{port} ({type(exc).__name__}: {exc})"
+    finally:
+        pool.shutdown(wait=False)
+    return None
+
+
 def download_wikitext() -> Path:
     """Load WikiText-2 (raw, test) through ``datasets`` (its download progress bars on
     stderr), write it to :func:`cache_dir` and return that path. Raises FileNotFoundError
@@ -64,13 +102,16 @@ def download_wikitext() -> Path:
         raise FileNotFoundError(
             f"WikiText-2 ({DEFAULT_FILE}) was not found locally and the datasets package is not installed "
             f"(pip install 'kvq-core[hf]' to download it once); or {_offline_help()}") from exc
+    offline = _offline()
+    unreachable = None if offline else hub_unreachable()
+    if unreachable:  # fail now, with the fix, instead of after the hub client's retries
+        raise FileNotFoundError(f"WikiText-2 ({DEFAULT_FILE}) was not found locally and the hub is unreachable: "
+                                f"{unreachable}; {_offline_help()}")
     print(f"kvq: {DEFAULT_FILE} not found locally; loading {name} {config} ({split}) through datasets",
           file=sys.stderr)
     try:
         ds = load_dataset(name, config, split=split)
     except Exception as exc:  # noqa: BLE001 - offline, hub unreachable, dataset moved: all end here
-        offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
-                      for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
         why = "offline mode is on (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE) and it is not cached" if offline else \
             f"{type(exc).__name__}: {exc}"
         raise FileNotFoundError(f"could not load WikiText-2 through datasets ({name} {config} {split}): {why}; "

@@ -6,8 +6,8 @@ Importing this module registers ``"kvq"`` with transformers (:func:`register`, i
 from __future__ import annotations
 
 from kvq_core.hf.attention import kvq_attention, merge_attention, register
-from kvq_core.hf.cache import KVQCache, KVQLayer, dynamic_cache_nbytes
+from kvq_core.hf.cache import KVQCache, KVQLayer, KVQMemoryWarning, dynamic_cache_nbytes
 
 register()
 
-__all__ = ["KVQCache", "KVQLayer", "dynamic_cache_nbytes", "kvq_attention", "merge_attention", "register"]
+__all__ = ["KVQCache", "KVQLayer", "KVQMemoryWarning", "dynamic_cache_nbytes", "kvq_attention", "merge_attention", "register"]

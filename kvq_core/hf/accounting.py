@@ -1,7 +1,9 @@
 """Byte and bit accounting of transformers caches: what :meth:`KVQCache.memory_report` reports.
 
-Packed blocks are counted as stored (every field, padding included); exact tokens (windows,
-full-precision layers) at 16 bits per element, as a float16/bfloat16 deployment stores them.
+Every byte the cache holds is counted: packed blocks as stored (every field, padding included),
+exact windows and full-precision layers in the model's dtype, and decoded copies (the history
+a dequant-mode layer keeps, a block a sliding stride encoded ahead). Bits per element count
+exact tokens at 16 bits, as a float16/bfloat16 deployment stores them.
 """
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvq_core.hf.layer import WINDOW_BITS, KVQLayer
+
+
+class KVQMemoryWarning(UserWarning):
+    """A cache holds more than its codes (a decoded copy) or stores no codes in a layer."""
 
 
 def memory_report(layers: Sequence[Any], exact_layers: Mapping[int, str]) -> dict[str, Any]:
@@ -40,14 +46,17 @@ def memory_report(layers: Sequence[Any], exact_layers: Mapping[int, str]) -> dic
             e = layer.keys.numel() + layer.values.numel()
             bits += WINDOW_BITS * e
             elements += e
+    stored = packed + window + fp
     return {
         "packed_bytes": packed,
         "window_bytes": window,
         "fp_layer_bytes": fp,
         "decoded_bytes": dec,
-        "total_bytes": packed + window + fp,
+        "stored_bytes": stored,
+        "total_bytes": stored + dec,
         "dynamic_cache_bytes": dyn,
-        "bits_per_element": bits / elements if elements else math.nan,
+        "stored_bits_per_element": bits / elements if elements else math.nan,
+        "bits_per_element": (bits + 8 * dec) / elements if elements else math.nan,
         "exact_layers": dict(exact_layers),
     }
 

@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from kvq_core.errors import InputError, KVQError
-from kvq_core.hf.accounting import dynamic_cache_nbytes, memory_report
+from kvq_core.hf.accounting import KVQMemoryWarning, dynamic_cache_nbytes, memory_report
 from kvq_core.hf.flush import FLUSH_MODES
 from kvq_core.hf.layer import ATTENTION_MODES, CHUNK_MODES, WINDOW_BITS, KVQLayer, mla_dims, separable, to_torch
 from kvq_core.hf.view import CodesContext
@@ -35,7 +35,7 @@ from kvq_core.registry import make_spec
 
 __all__ = [  # the names this module has always offered, wherever they now live
     "ATTENTION_MODES", "CHUNK_MODES", "FLUSH_MODES", "QUANTIZED_TYPES", "SLIDING_MODES", "WINDOW_BITS", "CodesContext",
-    "KVQCache", "KVQLayer", "dynamic_cache_nbytes", "mla_dims", "separable", "to_torch",
+    "KVQCache", "KVQLayer", "KVQMemoryWarning", "dynamic_cache_nbytes", "mla_dims", "separable", "to_torch",
 ]
 
 
@@ -47,6 +47,30 @@ def _head_dim(config: Any) -> int:
 #: Layer types whose K/V kvq stores (the others keep their transformers layer, exact).
 QUANTIZED_TYPES = ("full_attention", "sliding_attention")
 SLIDING_MODES = ("quantize", "exact")
+
+
+def _check_codes_attention(attention: str, config: Any) -> None:
+    """``attention="codes"`` needs the "kvq" attention function to read the codes; a model set to
+    another one (eager, sdpa, ...) would attend over the exact window only, so say so now."""
+    impl = getattr(config, "_attn_implementation", None)
+    if attention == "codes" and isinstance(impl, str) and impl != "kvq":
+        raise InputError(
+            f"attention='codes' needs the model's attention implementation to be 'kvq' (the function that attends "
+            f"from the codes); this model's config says {impl!r}, whose attention would see only the exact window. "
+            "Load the model with attn_implementation='kvq' (or call model.set_attn_implementation('kvq')) before "
+            "building the cache, or pass attention='auto' (codes exactly when the model attends with 'kvq') or "
+            "attention='dequant'"
+        )
+
+
+def uncoded_reason(layer: KVQLayer) -> str | None:
+    """Why a sliding-window layer can never hold codes (its exact window covers every token it
+    keeps), or None. A sliding flush packs all but the last ``residual - 1`` tokens and a block
+    flush waits for ``residual`` exact tokens, while the layer keeps only ``sliding_window``."""
+    w = layer.sliding_window
+    if w is None or (layer.residual < w if layer.flush == "sliding" else layer.residual <= w):
+        return None
+    return f"residual={layer.residual} with flush={layer.flush!r} covers its sliding_window={w}"
 
 
 def _resolve_layers(spec_layers: Iterable[int] | None, n: int, what: str) -> set[int]:
@@ -134,6 +158,8 @@ class KVQCache(Cache):
                 f"attention='codes' is not possible for multi-head latent attention ({text_config.model_type}): the "
                 "model expands the cached latent into K/V after the cache; use attention='dequant' or 'auto'"
             )
+        if mla is None:
+            _check_codes_attention(attention, text_config)
         head_dim, value_dim = mla if mla is not None else (_head_dim(text_config),) * 2
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         n = len(layer_types)
@@ -177,6 +203,17 @@ class KVQCache(Cache):
             listed = ", ".join(f"{i} ({why})" for i, why in sorted(unchosen.items()))
             warnings.warn(f"KVQCache({method!r}): {len(unchosen)} of {n} layers keep full-precision K/V: {listed}; "
                           "see memory_report()['exact_layers']", stacklevel=2)
+        #: layers that can never hold codes (a residual covering their sliding window) -> why
+        self.uncoded_layers = {layer.layer_idx: why for layer in self.kvq_layers if (why := uncoded_reason(layer))}
+        if self.uncoded_layers:
+            listed = ", ".join(f"{i} ({why})" for i, why in sorted(self.uncoded_layers.items()))
+            shortest = min(layer.sliding_window for layer in self.kvq_layers if layer.layer_idx in self.uncoded_layers)
+            warnings.warn(
+                f"KVQCache({method!r}): {len(self.uncoded_layers)} of {n} layers quantize nothing once decoding: every "
+                f"token they still attend to stays in the exact window: {listed}. Pass a residual below the window (e.g. residual={shortest // 2}) "
+                "to store them in codes, or sliding_layers='exact' to keep them exact on purpose; see "
+                "memory_report()['uncoded_layers']", KVQMemoryWarning, stacklevel=2)
+        self._warned_copy = False  # the decoded-copy warning is given once per cache
         self._step: dict[int, dict[str, Any]] | None = None  # layer states at the start of this step
 
     def __repr__(self) -> str:
@@ -199,7 +236,29 @@ class KVQCache(Cache):
             raise
         if layer_idx == len(self.layers) - 1:
             self._step = None
+        self._warn_decoded_copy(self.layers[layer_idx])
         return out
+
+    def _warn_decoded_copy(self, layer: Any) -> None:
+        """Warn once when a layer starts holding a decoded copy of its history, saying why and the fix."""
+        if self._warned_copy or not isinstance(layer, KVQLayer) or not layer.history_copy_bytes():
+            return
+        self._warned_copy = True
+        if not layer.codes_mode:
+            why = ("attention='dequant' was asked for" if layer.attention == "dequant" else
+                   f"the model attends with {getattr(self.config, '_attn_implementation', None)!r}, not 'kvq'")
+            fix = ("Load the model with attn_implementation='kvq' (or call model.set_attn_implementation('kvq')) so the "
+                   "cache attends from the codes, or pass cache_decoded=False to decode every step instead (slower, "
+                   "no copy); cache.drop_decoded() frees it now")
+            what = "hands the model decoded K/V (dequant mode)"
+        else:
+            why = "a sliding window starts inside a token-group block, whose visible tokens are handed over decoded"
+            fix = "Pass cache_decoded=False, or sliding_layers='exact', or a per-token method (e.g. octopus)"
+            what = f"(sliding_window={layer.sliding_window}) reads some tokens decoded"
+        warnings.warn(
+            f"KVQCache({self.method!r}): layer {layer.layer_idx} {what} and keeps a decoded float copy of its packed "
+            f"history, about as large as a DynamicCache of those tokens, because {why}; memory_report() counts it in "
+            f"decoded_bytes and total_bytes. {fix}.", KVQMemoryWarning, stacklevel=3)
 
     @property
     def chunks(self) -> str:
@@ -230,28 +289,30 @@ class KVQCache(Cache):
 
     # -- accounting ---------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes the cache holds now: packed blocks + exact windows + full-precision layers.
-
-        The decoded-history copy kept for dequant-mode attention is *not* included; see
-        :meth:`memory_report` (``decoded_bytes``).
-        """
-        r = self.memory_report()
-        return r["packed_bytes"] + r["window_bytes"] + r["fp_layer_bytes"]
+        """Every byte the cache holds now: packed blocks, exact windows, full-precision layers and
+        decoded copies (``memory_report()["total_bytes"]``; ``"stored_bytes"`` leaves the copies out)."""
+        return self.memory_report()["total_bytes"]
 
     def memory_report(self) -> dict[str, Any]:
-        """Byte and bit accounting, per kind of storage.
+        """Byte and bit accounting, per kind of storage; every byte the cache holds is counted.
 
-        ``bits_per_element`` is stored bits over K/V elements at the last attention step, with
-        exact tokens (windows, full-precision layers) counted at 16 bits, as a float16 model
-        stores them. ``exact_layers`` maps each layer kept entirely in full precision to why
-        (``fp_layers``, ``sliding_layers='exact'``, or a layer type kvq does not store); their
-        bytes are ``fp_layer_bytes``. ``dynamic_cache_bytes`` is what a ``DynamicCache`` holding the same tokens
-        in the model's dtype would hold.
+        ``total_bytes`` = ``stored_bytes`` (``packed_bytes`` + ``window_bytes`` + ``fp_layer_bytes``)
+        + ``decoded_bytes``: decoded float copies, above all the history a dequant-mode layer keeps
+        (about a DynamicCache's worth; attend from codes, ``attn_implementation="kvq"``, or pass
+        ``cache_decoded=False`` to hold none). ``bits_per_element`` is every held bit over K/V
+        elements at the last attention step, exact tokens (windows, full-precision layers) counted
+        at 16 bits as a float16 model stores them; ``stored_bits_per_element`` leaves the decoded
+        copies out (the codec's own rate). ``exact_layers`` maps each layer kept entirely in full
+        precision to why (``fp_layers``, ``sliding_layers='exact'``, or a layer type kvq does not
+        store); their bytes are ``fp_layer_bytes``. ``uncoded_layers`` maps each sliding-window
+        layer whose residual covers its window (it stores no codes) to why. ``dynamic_cache_bytes``
+        is what a ``DynamicCache`` holding the same tokens in the model's dtype would hold.
         """
-        return memory_report(self.layers, self.exact_layers)
+        return {**memory_report(self.layers, self.exact_layers), "uncoded_layers": dict(self.uncoded_layers)}
 
     def bits_per_element(self) -> float:
-        """Stored bits per K/V element at the last attention step (exact tokens at 16 bits)."""
+        """Held bits per K/V element at the last attention step (exact tokens at 16 bits, decoded
+        copies included; ``memory_report()["stored_bits_per_element"]`` without them)."""
         return self.memory_report()["bits_per_element"]
 
 

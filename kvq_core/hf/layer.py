@@ -316,6 +316,10 @@ class KVQLayer(DynamicLayer):
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
+    def history_copy_bytes(self) -> int:
+        """Bytes of the decoded history copy alone (:mod:`kvq_core.hf.decoded`)."""
+        return self._decoded.nbytes()
+
     def decoded_bytes(self) -> int:
         """Bytes of decoded copies: the history (dequant mode) and a block encoded ahead (codes
         mode, :meth:`decode_ahead`); not part of the stored cache."""
