@@ -198,6 +198,7 @@ def start(run: Run, model: Any, ids: Any) -> None:
     cfg = run.cfg
     run.row = {"label": cfg.label, "config": cfg.describe(), "prompt": run.prompt, "status": "ok"}
     try:
+        model.set_attn_implementation(attn_impl(cfg))  # what the cache's decode steps attend with
         run.cache = build_cache(cfg, model.config, attention="codes" if cfg.kind == "kvq" else "auto")
         model.set_attn_implementation("sdpa")  # the prefill attends exactly under every cache (module doc)
         with torch.no_grad():
