@@ -89,7 +89,7 @@ class Quantizer:
         how = "given as kv_heads=" if self._kv_heads_given else "bound by the first block"
         hint = ""
         if shape[2] == self.kv_heads:
-            hint = (f"; it looks transposed, as [batch, tokens, kv_heads, head_dim]: pass x.transpose(1, 2) "
+            hint = ("; it looks transposed, as [batch, tokens, kv_heads, head_dim]: pass x.transpose(1, 2) "
                     "(NumPy: x.swapaxes(1, 2))")
         raise InputError(f"{what}: shape {list(shape)} has {heads} KV heads where this quantizer has kv_heads="
                          f"{self.kv_heads} ({how}); expected the order [batch, kv_heads, tokens, head_dim]{hint}")
@@ -156,7 +156,10 @@ class Quantizer:
         """
         pk = self._packed(pk, "keys")
         pv = self._packed(pv, "values")
-        check_query(q, pk, pv, self.arrays)
+        try:
+            check_query(q, pk, pv, self.arrays)
+        except InputError as exc:
+            raise InputError(f"{exc}{_transposed_hint(q, pk)}") from None
         self._device_ok(q)
         if scale is None:
             scale = 1.0 / math.sqrt(self.spec.head_dim)
@@ -174,6 +177,17 @@ class Quantizer:
         for b in blocks:
             check_packed(b, self.spec, b.kind if isinstance(b, PackedKV) else "keys")
         return bits_per_element(*blocks)
+
+
+def _transposed_hint(q: Any, pk: PackedKV) -> str:
+    """A hint when the blocks hold more KV heads than the query has heads: K/V encoded as
+    ``[batch, tokens, kv_heads, head_dim]`` (their tokens taken for heads) look like this."""
+    q_heads = getattr(q, "shape", (None, None))[1] if len(getattr(q, "shape", ())) == 4 else None
+    if not isinstance(q_heads, int) or pk.shape[1] <= q_heads:
+        return ""
+    return (f"; the blocks hold {pk.shape[1]} KV heads of {pk.shape[2]} tokens, more than the query's {q_heads} heads: "
+            "were K/V encoded as [batch, tokens, kv_heads, head_dim]? kvq takes [batch, kv_heads, tokens, head_dim] "
+            "(x.transpose(1, 2))")
 
 
 def check_device(device: Any) -> str | None:

@@ -91,3 +91,14 @@ def test_packed_repr_is_one_short_line() -> None:
     assert "\n" not in text and len(text) < 250
     assert text.startswith("PackedKV(keys octopus(head_dim=64, bits=3") and "shape=[1, 2, 5, 64]" in text
     assert f"{pk.nbytes():,} bytes" in text and f"{pk.bits_per_element():.3f} bits/elt" in text
+
+
+def test_attend_over_blocks_encoded_transposed_says_so() -> None:
+    """The first block binds kv_heads, so a transposed first block is only caught at attend: the
+    error there names the likely cause (issue #27: [1, 1000, 8, 128] coded as 1000 heads)."""
+    q = kvq_core.get_quantizer("oscar", backend="numpy")
+    k = np.random.default_rng(1).standard_normal((1, 100, 8, 64)).astype(np.float32)
+    pk, pv = q.encode_keys(k), q.encode_values(k)
+    with pytest.raises(InputError, match=r"query heads 32 is not a multiple of kv_heads 100.*100 KV heads of 8 tokens.*"
+                                         r"\[batch, tokens, kv_heads, head_dim\]\?"):
+        q.attend(np.ones((1, 32, 1, 64), np.float32), pk, pv)
