@@ -31,6 +31,7 @@ from kvq_core import registry
 from kvq_core.dispatch.torch_kernels import field_names
 from kvq_core.errors import SpecError
 from kvq_core.paged import PageLayout
+from kvq_vllm import numba_encode
 from kvq_vllm.config import CodecConfig, active_codec
 from kvq_vllm.plan import GroupPlan, StagingPool, group_blocks, plan_step, stage_tokens
 from vllm.config import get_current_vllm_config
@@ -186,6 +187,7 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         self.layout = PageLayout(self.spec, vllm_config.cache_config.block_size, self.num_kv_heads)
         self.names = {kind: field_names(self.spec, kind) for kind in ("keys", "values")}
         device = vllm_config.device_config.device
+        numba_encode.register()
         self.backend, self.encode_backend = self.codec.attend_backend(device), self.codec.encode_backend(device)
         registry.backend_info(self.backend)  # loads the kvq backends: their kvq:: table entries
         self._layers: dict[str, int] = {}
