@@ -4,6 +4,8 @@ shared prefix blocks, lengths 1, block-boundary and ragged, pages of 16 and 32 t
 > 1, GQA, with and without exact tails)."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -136,6 +138,20 @@ def check_backend(backend: str, method: str, params: dict, atol: float = 2e-5) -
 @pytest.mark.parametrize("method,params", PER_TOKEN + GROUPED)
 def test_torch_fallback_matches_reference(method: str, params: dict) -> None:
     check_backend("torch", method, params)
+
+
+NUMBA = [("oscar", {"bits": 2}), ("kivi", {"bits": 2}), ("octopus", {"bits": 3}), ("oscar", {"bits": 4, "key_group": 32}),
+         ("octopus", {"bits": 2, "values": "fp16"}), ("oscar", {"bits": 2, "rotation": False, "token_scaling": False})]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+@pytest.mark.parametrize("method,params", NUMBA, ids=lambda x: str(x))
+def test_numba_matches_reference(method: str, params: dict) -> None:
+    """The numba CPU kernels (planes for OScaR/KIVI 2- and 4-bit, OCTOPUS) read the pages directly."""
+    from kvq_numba.paged import PagedNumba
+
+    assert PagedNumba(kvq_core.make_spec(method, head_dim=D, **params)).fast
+    check_backend("numba", method, params)
 
 
 def test_no_tail_arguments() -> None:
