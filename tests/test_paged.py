@@ -175,3 +175,21 @@ def test_fake_shapes_and_opcheck() -> None:
     with FakeTensorMode(allow_non_fake_inputs=True):
         out, lse = torch.ops.kvq.attend_paged(*args)
     assert tuple(out.shape) == (3, 4, D) and tuple(lse.shape) == (3, 4) and out.dtype == torch.float32
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_under_interpreter() -> None:
+    """tests/triton_interp/interp_paged.py in a fresh process with TRITON_INTERPRET=1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "backends"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
+                           "ignore::RuntimeWarning", "tests/triton_interp/interp_paged.py"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "5 passed" in proc.stdout, proc.stdout[-3000:]
