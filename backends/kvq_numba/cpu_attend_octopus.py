@@ -17,7 +17,7 @@ from kvq_numba.cpu_attend import online_softmax
 from kvq_numba.cpu_common import half_to_float
 from kvq_numba.cpu_octopus import decode_rows_at
 from kvq_numba.cpu_paged import (CODES, DESC, J_HEAD, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, WIDTH, half_at,
-                                 mask_block, row_addr, row_limits, store_partial)
+                                 mask_block, row_limits, store_partial, token_rows)
 from kvq_numba.cpu_tiles import ROWS, logits, weighted_rows
 
 #: tokens per online-softmax block (two decoded [BLOCK, d] blocks stay in L1 at d = 128)
@@ -29,10 +29,19 @@ F_KC, F_KN, F_VC, F_VN, F_VH = range(5)
 
 
 @njit(cache=True, inline="always")
-def _f32_at(buf, a, scratch, view):
-    for x in range(4):
-        scratch[x] = buf[a + x]
-    return view[0]
+def _floats(buf, addr, n, scratch, out) -> None:
+    """``out[i]`` = the float32 at byte ``addr[i]`` (``i < n``): read in place when the values follow
+    one another (contiguous blocks), else byte by byte (page rows)."""
+    if addr[n - 1] - addr[0] == (n - 1) * 4:
+        src = buf[addr[0]:addr[0] + 4 * n].view(np.float32)
+        for i in range(n):
+            out[i] = src[i]
+    else:
+        view = scratch.view(np.float32)
+        for i in range(n):
+            for x in range(4):
+                scratch[x] = buf[addr[i] + x]
+            out[i] = view[0]
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -69,29 +78,31 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, kc, kn, vc, vn, vh, desc, val
         ebits = np.empty(ROWS * BLOCK, np.int32)
         ka = np.empty(BLOCK, np.int64)
         va = np.empty(BLOCK, np.int64)
+        na = np.empty(BLOCK, np.int64)
         nb4 = np.empty(4, np.uint8)
-        f4 = nb4.view(np.float32)
         kflat = kbuf.reshape(BLOCK * d)
         vflat = vbuf.reshape(BLOCK * d)
         for t0 in range(jobs[job, J_T0], jobs[job, J_T1], BLOCK):
             n = min(BLOCK, jobs[job, J_T1] - t0)
+            token_rows(table, req, h, t0, n, desc[F_KC], ka)
+            token_rows(table, req, h, t0, n, desc[F_KN], na)
+            _floats(kn, na, n, nb4, tok)
             for i in range(n):
-                ka[i] = row_addr(table, req, h, t0 + i, desc[F_KC])
-                tok[i] = scale * _f32_at(kn, row_addr(table, req, h, t0 + i, desc[F_KN]), nb4, f4)
+                tok[i] *= scale
             decode_rows_at(kc, ka, n, krb, bits, code_table, kbuf)
             logits(qf, kflat, d, n, tok, p)
             mask_block(p, n, t0, lim)
             online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
             if values_fp16:
+                token_rows(table, req, h, t0, n, desc[F_VH], va)
                 for i in range(n):
-                    a = row_addr(table, req, h, t0 + i, desc[F_VH])
                     for c in range(d):
-                        vflat[i * d + c] = half_to_float(half_at(vh, a + 2 * c))
+                        vflat[i * d + c] = half_to_float(half_at(vh, va[i] + 2 * c))
                     vgam[i] = 1
             else:
-                for i in range(n):
-                    va[i] = row_addr(table, req, h, t0 + i, desc[F_VC])
-                    vgam[i] = _f32_at(vn, row_addr(table, req, h, t0 + i, desc[F_VN]), nb4, f4)
+                token_rows(table, req, h, t0, n, desc[F_VC], va)
+                token_rows(table, req, h, t0, n, desc[F_VN], na)
+                _floats(vn, na, n, nb4, vgam)
                 decode_rows_at(vc, va, n, vrb, bits, code_table, vbuf)
             for r in range(ROWS):
                 for i in range(n):

@@ -27,9 +27,9 @@ from numba import njit, prange
 
 from kvq_numba import cpu_paged
 from kvq_numba.cpu_attend import online_softmax
-from kvq_numba.cpu_common import half_to_float
-from kvq_numba.cpu_paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, gather_heads_bytes,
-                                 gather_rows_bytes, half_at, mask_block, row_addr, row_limits, store_partial)
+from kvq_numba.cpu_paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, WIDTH,
+                                 gather_rows_bytes, heads_f32, row_addr, mask_block, row_limits, store_partial,
+                                 token_rows)
 from kvq_numba.cpu_simd import bytes8, halves, plane, vaccumulate, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
 from kvq_numba.cpu_tiles import ROWS
 
@@ -146,6 +146,31 @@ def _fold_key_group(qo, qp, ks, ko, mid, order, qs, bias, ksp) -> None:
         bias[r] = vhsum(a)
 
 
+@njit(cache=True, inline="always")
+def key_stats(buf, table, req, h, grp, desc, d, scratch, out) -> None:
+    """``out`` = key group ``grp``'s float16 row (scale or offset) of ``d`` channels, read in place when
+    one row holds it (contiguous blocks), else gathered from its stripes first (pages)."""
+    if desc[WIDTH] >= 2 * d:
+        a = row_addr(table, req, h, grp * desc[GROUP_ROWS], desc)
+        halves(buf[a:a + 2 * d].view(np.uint16), 0, d, out)
+    else:
+        gather_rows_bytes(buf, table, req, h, grp * desc[GROUP_ROWS], desc, 2 * d, scratch)
+        halves(scratch.view(np.uint16), 0, d, out)
+
+
+@njit(cache=True, inline="always")
+def token_halves(buf, addr, n, count, scratch, out) -> None:
+    """``out[i * count + j]`` = float32 of the ``j``-th float16 at byte ``addr[i]`` (tokens ``i < n``):
+    read in place when the rows follow one another (contiguous blocks), else gathered first (pages)."""
+    if addr[n - 1] - addr[0] == (n - 1) * 2 * count:
+        halves(buf[addr[0]:addr[0] + 2 * count * n].view(np.uint16), 0, n * count, out)
+    else:
+        for i in range(n):
+            for x in range(2 * count):
+                scratch[i * 2 * count + x] = buf[addr[i] + x]
+        halves(scratch.view(np.uint16), 0, n * count, out)
+
+
 #: fields of a planes job, in the order of the buffers and descriptor rows (kvq_numba.cpu_paged)
 F_KC, F_KS, F_KO, F_KN, F_VC, F_VS, F_VO = range(7)
 
@@ -190,7 +215,6 @@ def planes_jobs(q, jobs, first, row_lo, g, table, kc, ks, ko, kn, vc, vs, vo, de
         qs = np.empty(ROWS * d, np.float32)
         bias = np.empty(ROWS, np.float32)
         kstat = np.empty(2 * d, np.uint8)
-        ks16 = kstat.view(np.uint16)
         nbuf = np.empty(4, np.uint8)
         nval = nbuf.view(np.float32)
         ksf = np.empty(d, np.float32)
@@ -198,6 +222,13 @@ def planes_jobs(q, jobs, first, row_lo, g, table, kc, ks, ko, kn, vc, vs, vo, de
         ksp = np.empty(d, np.float32)
         ka = np.empty(sb, np.int64)
         va = np.empty(sb, np.int64)
+        sa = np.empty(sb, np.int64)
+        oa = np.empty(sb, np.int64)
+        na = np.empty(sb, np.int64)
+        sbytes = np.empty(2 * nvg * sb, np.uint8)
+        obytes = np.empty(2 * nvg * sb, np.uint8)
+        vsf = np.empty(nvg * sb, np.float32)
+        vof = np.empty(nvg * sb, np.float32)
         vst = np.empty(nvg * sb, np.float32)
         vot = np.empty(nvg * sb, np.float32)
         pw = np.empty(nvg * ROWS * sb, np.float32)
@@ -207,27 +238,29 @@ def planes_jobs(q, jobs, first, row_lo, g, table, kc, ks, ko, kn, vc, vs, vo, de
         ebits = np.empty(ROWS * sb, np.int32)
         for t0 in range(jobs[job, J_T0], jobs[job, J_T1], sb):
             n = min(sb, jobs[job, J_T1] - t0)
-            for i in range(n):
-                ka[i] = row_addr(table, req, h, t0 + i, desc[F_KC])
-                va[i] = row_addr(table, req, h, t0 + i, desc[F_VC])
-                sa = row_addr(table, req, h, t0 + i, desc[F_VS])
-                oa = row_addr(table, req, h, t0 + i, desc[F_VO])
-                for gg in range(nvg):
-                    vst[gg * sb + i] = half_to_float(half_at(vs, sa + 2 * gg))
-                    vot[gg * sb + i] = half_to_float(half_at(vo, oa + 2 * gg))
-                if use_norm:
-                    gather_heads_bytes(kn, table, req, t0 + i, desc[F_KN], 4, nbuf)
-                    tok[i] = scale * nval[0]
-                else:
+            token_rows(table, req, h, t0, n, desc[F_KC], ka)
+            token_rows(table, req, h, t0, n, desc[F_VC], va)
+            token_rows(table, req, h, t0, n, desc[F_VS], sa)
+            token_rows(table, req, h, t0, n, desc[F_VO], oa)
+            token_halves(vs, sa, n, nvg, sbytes, vsf)
+            token_halves(vo, oa, n, nvg, obytes, vof)
+            for gg in range(nvg):  # scales and offsets to [group, token]
+                for i in range(n):
+                    vst[gg * sb + i] = vsf[i * nvg + gg]
+                    vot[gg * sb + i] = vof[i * nvg + gg]
+            if use_norm:
+                token_rows(table, req, 0, t0, n, desc[F_KN], na)
+                for i in range(n):
+                    tok[i] = scale * heads_f32(kn, na[i], desc[F_KN], nbuf, nval)
+            else:
+                for i in range(n):
                     tok[i] = scale
             i = 0
             while i < n:  # one key group at a time
                 grp = (t0 + i) // kgroup
                 i_end = min((grp + 1) * kgroup - t0, n)
-                gather_rows_bytes(ks, table, req, h, grp * desc[F_KS, GROUP_ROWS], desc[F_KS], 2 * d, kstat)
-                halves(ks16, 0, d, ksf)
-                gather_rows_bytes(ko, table, req, h, grp * desc[F_KO, GROUP_ROWS], desc[F_KO], 2 * d, kstat)
-                halves(ks16, 0, d, kof)
+                key_stats(ks, table, req, h, grp, desc[F_KS], d, kstat, ksf)
+                key_stats(ko, table, req, h, grp, desc[F_KO], d, kstat, kof)
                 _fold_key_group(qo, qp, ksf, kof, mid, order, qs, bias, ksp)
                 _logits(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p)
                 i = i_end

@@ -7,7 +7,7 @@ one byte row per (token, kv head) (:class:`kvq_core.paged.PageLayout`). Both are
 field by a descriptor row (:data:`DESC` columns): the row address of ``(request, head, row)`` is
 ``table[request, row // block] * block_stride + head * head_stride + (row % block) * row_stride +
 offset``. Striped fields (OScaR/KIVI key statistics over a group's rows, OScaR's token norm over
-the heads' rows) are read ``width`` bytes per row (:func:`gather_rows_bytes`, :func:`gather_heads_bytes`).
+the heads' rows) are read ``width`` bytes per row (:func:`gather_rows_bytes`, :func:`heads_f32`).
 
 Work: queries are ``[kv_heads, rows, d]`` (rows = query tokens x GQA group, request by request).
 :func:`plan` cuts each (request, kv head, tile of ROWS rows) into jobs: splits of the coded tokens
@@ -52,26 +52,41 @@ def row_addr(table, req, head, row, desc):
 
 
 @njit(cache=True, inline="always")
+def token_rows(table, req, head, t0, n, desc, out) -> None:
+    """``out[i]`` = the byte address of token ``t0 + i`` (``i < n``) of a per-token field: one
+    division per call, then the in-block row steps by one."""
+    bs = desc[BLOCK_ROWS]
+    tb, tr = t0 // bs, t0 % bs
+    fixed = head * desc[HEAD_STRIDE] + desc[OFFSET]
+    for i in range(n):
+        out[i] = table[req, tb] * desc[BLOCK_STRIDE] + tr * desc[ROW_STRIDE] + fixed
+        tr += 1
+        if tr == bs:
+            tr = 0
+            tb += 1
+
+
+@njit(cache=True, inline="always")
+def heads_f32(buf, addr, desc, scratch, view):
+    """The float32 of a field shared by the heads, striped from byte ``addr`` (head 0's row) over
+    the heads' rows ``desc[HEAD_STRIDE]`` apart, ``desc[WIDTH]`` bytes each."""
+    w = desc[WIDTH]
+    j, a = 0, addr
+    while j < 4:
+        for x in range(min(w, 4 - j)):
+            scratch[j + x] = buf[a + x]
+        j += w
+        a += desc[HEAD_STRIDE]
+    return view[0]
+
+
+@njit(cache=True, inline="always")
 def gather_rows_bytes(buf, table, req, head, first_row, desc, nbytes, dst) -> None:
     """``dst[:nbytes]`` = a striped field's bytes: ``desc[WIDTH]`` from each row from ``first_row`` on."""
     w = desc[WIDTH]
     j, k = 0, 0
     while j < nbytes:
         a = row_addr(table, req, head, first_row + k, desc)
-        m = min(w, nbytes - j)
-        for x in range(m):
-            dst[j + x] = buf[a + x]
-        j += m
-        k += 1
-
-
-@njit(cache=True, inline="always")
-def gather_heads_bytes(buf, table, req, row, desc, nbytes, dst) -> None:
-    """``dst[:nbytes]`` = a field shared by the heads, striped over row ``row`` of heads 0, 1, ..."""
-    w = desc[WIDTH]
-    j, k = 0, 0
-    while j < nbytes:
-        a = row_addr(table, req, k, row, desc)
         m = min(w, nbytes - j)
         for x in range(m):
             dst[j + x] = buf[a + x]
