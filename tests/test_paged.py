@@ -4,6 +4,8 @@ shared prefix blocks, lengths 1, block-boundary and ragged, pages of 16 and 32 t
 > 1, GQA, with and without exact tails)."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -138,6 +140,20 @@ def test_torch_fallback_matches_reference(method: str, params: dict) -> None:
     check_backend("torch", method, params)
 
 
+NUMBA = [("oscar", {"bits": 2}), ("kivi", {"bits": 2}), ("octopus", {"bits": 3}), ("oscar", {"bits": 4, "key_group": 32}),
+         ("octopus", {"bits": 2, "values": "fp16"}), ("oscar", {"bits": 2, "rotation": False, "token_scaling": False})]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+@pytest.mark.parametrize("method,params", NUMBA, ids=lambda x: str(x))
+def test_numba_matches_reference(method: str, params: dict) -> None:
+    """The numba CPU kernels (planes for OScaR/KIVI 2- and 4-bit, OCTOPUS) read the pages directly."""
+    from kvq_numba.paged import PagedNumba
+
+    assert PagedNumba(kvq_core.make_spec(method, head_dim=D, **params)).fast
+    check_backend("numba", method, params)
+
+
 def test_no_tail_arguments() -> None:
     """Without tails the op attends the coded tokens alone (code lengths may end mid-block)."""
     qz = _quantizer("octopus", bits=3)
@@ -159,3 +175,21 @@ def test_fake_shapes_and_opcheck() -> None:
     with FakeTensorMode(allow_non_fake_inputs=True):
         out, lse = torch.ops.kvq.attend_paged(*args)
     assert tuple(out.shape) == (3, 4, D) and tuple(lse.shape) == (3, 4) and out.dtype == torch.float32
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_under_interpreter() -> None:
+    """tests/triton_interp/interp_paged.py in a fresh process with TRITON_INTERPRET=1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "backends"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
+                           "ignore::RuntimeWarning", "tests/triton_interp/interp_paged.py"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "5 passed" in proc.stdout, proc.stdout[-3000:]
