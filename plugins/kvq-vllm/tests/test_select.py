@@ -59,3 +59,15 @@ def test_what_kvq_cannot_serve_is_a_spec_error_naming_it(monkeypatch: pytest.Mon
     assert packed.state_content_bytes == 50  # 16 + 8 + 2 key bytes, 16 + 8 value bytes per row
     with pytest.raises(SpecError, match="backend"):
         config.parse({"method": "octopus", "backend": "cuda-magic"}, "additional_config")
+
+
+def test_forward_and_cache_update_read_no_tensor_on_the_host() -> None:
+    import inspect
+
+    from kvq_vllm import plan
+    from kvq_vllm.backend import KVQAttentionImpl
+
+    for fn in (KVQAttentionImpl.forward, KVQAttentionImpl.do_kv_cache_update, plan.stage_tokens, plan.group_blocks):
+        body = inspect.getsource(fn)
+        for sync in (".item(", ".tolist(", ".cpu(", ".numpy(", "bool(", "int(", "float("):
+            assert sync not in body, (fn.__qualname__, sync)
