@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu = torch.backends.cpu.get_cpu_capability()
     load = lambda: os.getloadavg()[0]  # noqa: E731
     generous, budgeted = [], []
+    previous = Path(args.out).with_suffix(".json")
+    if "a" not in args.parts and previous.exists():  # keep (a) of an earlier run of this command
+        generous = json.loads(previous.read_text())["generous"]
     if "a" in args.parts:
         for kvq in GENEROUS:
             r = run(args.model, kvq, PROMPTS[: args.prompts], args.max_tokens, {"max_num_seqs": args.prompts})
@@ -158,12 +161,13 @@ def write(args: argparse.Namespace, gib: float, cpu: str, generous: list[dict], 
             lines.append(f"| {r['budget_mib']} MiB | {r['engine']} | {r['blocks']} | {r['staging_mib']} MiB | "
                          f"{r['seconds']} | {r['tokens_per_s']} | {r['tokens_per_s'] / stock['tokens_per_s']:.2f}x | "
                          f"{r['preemptions']:.0f} | {r['peak_running']} | {r['load_after']} |")
-        plot(budgeted, Path(args.out).with_suffix(".png"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"cpu_capability": cpu, "gib": gib, "generous": generous,
                                                     "budgeted": budgeted}, indent=2))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    if budgeted:
+        plot(budgeted, out.with_suffix(".png"))
     if not quiet:
         print("\n".join(lines))
 
