@@ -48,7 +48,9 @@ KVQ_KV = "kvq_vllm.backend.KVQAttentionBackend"
 # stays on topic: over these prompts the mean token edit distance to stock, divided by the 16 tokens,
 # must stay at or below this (measured 0.58 for both codecs; unrelated text scores about 1).
 MAX_EDIT = 0.75
-COMMON = {"block_size": 32, "enable_prefix_caching": True}
+# gpu_memory_utilization: on CPU the fraction of free memory an engine demands at start (0.92 by default
+# fails the later engines of a run); the KV space itself is VLLM_CPU_KVCACHE_SPACE.
+COMMON = {"block_size": 32, "enable_prefix_caching": True, "gpu_memory_utilization": 0.3}
 NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                 "prompt_lookup_min": 2}}
 # 5 blocks of 32 tokens (vLLM keeps one back) for requests needing 1 + 1 + 3 (prompts of 5, 10,
