@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     print("GPU backends and methods:", {b: m for b, m in backends.items()} or "none")
     op = paged_op()
     print("paged decode step:", "kvq::attend_paged found" if op is not None else
-          "skipped (this checkout has no torch.ops.kvq.attend_paged)")
+          "skipped (no torch.ops.kvq.attend_paged in this checkout)")
     failures = conformance(plan, backends, clock)
     reserve = 0.25 * clock.budget if op is not None else 0.0
     rows = benchmarks(plan, backends, clock, reserve)

@@ -60,10 +60,73 @@ build() {
   "$base" -m venv "$venv"
   "$py" -m pip install -q --upgrade pip >"$log" 2>&1
   # The GPU machine's pins win over any machine-wide constraint file.
+  local t0=$SECONDS
   PIP_CONSTRAINT="" "$py" -m pip install "${PINS[@]}" >>"$log" 2>&1 || { tail -n 30 "$log"; exit 3; }
   touch "$venv/.built"
-  echo "gpu_twin: built ($(du -sh "$venv" | cut -f1))"
+  echo "gpu_twin: built in $((SECONDS - t0)) s ($(du -sh "$venv" | cut -f1))"
 }
 
 build
 if [ "${1:-}" = "--build" ]; then exit 0; fi
+
+logs="$twin_dir/logs-$key"
+mkdir -p "$logs"
+started=$SECONDS
+status=PASS
+summary=()
+
+step() {  # step NAME COMMAND...: runs it with the twin first on PATH, its output in $logs/NAME.log
+  local name=$1; shift
+  local t0=$SECONDS rc=0
+  PATH="$venv/bin:$PATH" "$@" >"$logs/$name.log" 2>&1 || rc=$?
+  local said
+  said=$(grep -E '[0-9]+ (passed|failed)|^gpu_twin:|PTX gate:|^conformance failures:|^paged decode step:' "$logs/$name.log" \
+    | tail -n 2 | sed 's/^gpu_twin: //; s/^[.]*numba CUDA PTX gate: //; s/^paged decode step: /paged step /; s/=//g; s/ in [0-9.]*s.*//' \
+    | paste -sd ',' -)
+  if [ "$rc" -ne 0 ]; then
+    status=FAIL
+    summary+=("$name FAIL rc=$rc ${said}")
+    echo "---- $name failed (rc=$rc), last lines of $logs/$name.log:"; tail -n 25 "$logs/$name.log"
+  else
+    summary+=("$name ${said:-ok}")
+  fi
+  echo "gpu_twin: $name done in $((SECONDS - t0)) s"
+}
+
+versions=$("$py" - <<'PY'
+import importlib.metadata as md, platform
+names = ("torch", "triton", "numpy", "numba", "numba-cuda", "transformers", "onnx", "onnxruntime")
+print("python " + platform.python_version() + " " + " ".join(f"{n} {md.version(n)}" for n in names))
+PY
+)
+echo "gpu_twin: $versions"
+
+# 1. kvq installed as bench/gpu_check.sh installs it (no dependencies pulled), then its dry run
+#    (the CPU interpreter, tiny shapes; the paged step too when the checkout has it)
+step gpu-check-dry-run bash bench/gpu_check.sh --dry-run --backends triton
+# 2. every module of the GPU backends imports on this stack (no interpreter, no GPU)
+step imports python - <<'PY'
+import importlib, pathlib, sys, traceback
+mods = sorted(f"{p.parent.name}.{p.stem}" for d in ("kvq_triton", "kvq_numba")
+              for p in pathlib.Path("backends", d).glob("*.py") if p.stem != "__init__")
+bad = []
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except Exception:
+        bad.append(m)
+        traceback.print_exc()
+print(f"gpu_twin: {len(mods) - len(bad)}/{len(mods)} modules" + (f" (failed: {', '.join(bad)})" if bad else ""))
+sys.exit(1 if bad else 0)
+PY
+# 3. the Triton interpreter conformance (as tests/test_triton.py runs it)
+step triton-interpreter env TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 python -m pytest -q -s -p no:cacheprovider \
+  -W ignore::RuntimeWarning tests/triton_interp/interp_conformance.py
+# 4. both compile gates: Triton AOT (cubins for sm_80/sm_90), numba CUDA PTX (sm_80/sm_90)
+step triton-aot python -m pytest -q -p no:cacheprovider tests/test_triton_aot.py
+step numba-ptx python -m pytest -q -s -p no:cacheprovider tests/test_numba_ptx.py
+
+line="gpu_twin: $status | $versions"
+for part in "${summary[@]}"; do line+=" | $part"; done
+echo "$line | $((SECONDS - started)) s (logs: $logs)"
+[ "$status" = PASS ]
