@@ -22,7 +22,7 @@ numba time) and the list of what the budget skipped.
 
 Budget: ``--budget`` seconds (default 400) for this script, split between the sections
 (conformance stops at 40 % of it; the paged step keeps 25 % when it runs); an item that would
-overrun prints SKIPPED and is listed at the end. Exit status 1 when a conformance check fails.
+overrun prints SKIPPED and is listed at the end. Exit status 1 when a conformance check or a timed item fails.
 The real run never uses Triton's interpreter (``TRITON_INTERPRET`` is removed before import).
 
 ``--dry-run``: Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set here before kvq is
@@ -319,8 +319,10 @@ def shapes(plan: Plan) -> list[tuple[int, int]]:
     return ([goal] if goal else []) + [s for s in all_ if s != goal]
 
 
-def benchmarks(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserve: float) -> list[Row]:
-    """Encode throughput and attend vs SDPA while more than ``reserve`` seconds are left."""
+def benchmarks(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserve: float,
+               errors: list[str]) -> list[Row]:
+    """Encode throughput and attend vs SDPA while more than ``reserve`` seconds are left; a failing
+    item is printed and added to ``errors``."""
     import torch
 
     from kvq_core import registry
@@ -371,6 +373,7 @@ def benchmarks(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserve
                           f"{_us(graph)} {_us(eager)} {_us(sdpa_gqa)} {_us(sdpa_fold)} {ratio:8.2f}", flush=True)
                     del pk, pv
                 except Exception as exc:  # noqa: BLE001
+                    errors.append(f"bench {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}")
                     print(f"FAIL bench {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}: "
                           f"{str(exc)[:300]}", flush=True)
                     traceback.print_exc(limit=3)
@@ -422,8 +425,9 @@ def _paged_impl(table: Any, backend: str, spec: Any) -> type | None:
         return None
 
 
-def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any) -> list[Row]:
-    """``kvq::attend_paged`` decode steps (one query token per request) vs SDPA on the padded batch."""
+def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, errors: list[str]) -> list[Row]:
+    """``kvq::attend_paged`` decode steps (one query token per request) vs SDPA on the padded batch;
+    a failing item is printed and added to ``errors``."""
     import numpy as np
     import torch
 
@@ -472,6 +476,7 @@ def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any) -> 
                     print(f"{label:>18} {batch:>5} {page:>4} {sum(lens):>8} {max(lens):>7} {_us(t)} {_us(sdpa)} "
                           f"{ratio:8.2f}", flush=True)
                 except Exception as exc:  # noqa: BLE001
+                    errors.append(f"paged {label} batch={batch} page={page}: {type(exc).__name__}")
                     print(f"FAIL paged {label} batch={batch} page={page}: {type(exc).__name__}: {str(exc)[:300]}",
                           flush=True)
                     traceback.print_exc(limit=3)
@@ -525,10 +530,11 @@ def main(argv: list[str] | None = None) -> int:
           "skipped (no torch.ops.kvq.attend_paged in this checkout)")
     failures = conformance(plan, backends, clock)
     reserve = 0.25 * clock.budget if op is not None else 0.0
-    rows = benchmarks(plan, backends, clock, reserve)
+    errors: list[str] = []
+    rows = benchmarks(plan, backends, clock, reserve, errors)
     rows += numba_vs_triton(rows)
     if op is not None:
-        rows += paged(plan, backends, clock, op)
+        rows += paged(plan, backends, clock, op, errors)
 
     method, tokens, batch, want = GOAL
     if args.dry_run:
@@ -547,7 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     for f in failures:
         print("  " + f[:500])
     print(f"time left in the budget: {clock.left():.0f}s")
-    return 1 if failures else 0
+    print(f"timing failures: {len(errors)}")
+    for e in errors:
+        print("  " + e)
+    return 1 if failures or errors else 0
 
 
 if __name__ == "__main__":

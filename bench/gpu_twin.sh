@@ -119,9 +119,12 @@ for m in mods:
 print(f"gpu_twin: {len(mods) - len(bad)}/{len(mods)} modules" + (f" (failed: {', '.join(bad)})" if bad else ""))
 sys.exit(1 if bad else 0)
 PY
-# 3. the Triton interpreter conformance (as tests/test_triton.py runs it)
-step triton-interpreter env TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 python -m pytest -q -s -p no:cacheprovider \
-  -W ignore::RuntimeWarning tests/triton_interp/interp_conformance.py
+# 3. the Triton interpreter conformance, each file in its own process (as tests/test_triton.py and
+#    tests/test_paged.py run them)
+for file in tests/triton_interp/interp_*.py; do
+  step "triton-$(basename "$file" .py)" env TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 \
+    python -m pytest -q -s -p no:cacheprovider -W ignore::RuntimeWarning "$file"
+done
 # 4. both compile gates: Triton AOT (cubins for sm_80/sm_90), numba CUDA PTX (sm_80/sm_90)
 step triton-aot python -m pytest -q -p no:cacheprovider tests/test_triton_aot.py
 step numba-ptx python -m pytest -q -s -p no:cacheprovider tests/test_numba_ptx.py
