@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -372,9 +373,7 @@ class _NumpyOps:
 
 class _TorchOps:
     def __init__(self) -> None:
-        import torch
-
-        self.torch = torch
+        self.torch = sys.modules["torch"]  # a torch tensor was handed in, so torch is loaded (not a dependency)
 
     def as_bytes(self, a: Any, lead: int) -> Any:
         a = a.contiguous()

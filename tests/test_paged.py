@@ -164,6 +164,18 @@ def test_no_tail_arguments() -> None:
     np.testing.assert_allclose(got[0].numpy(), want[0], atol=2e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_no_query_tokens(backend: str) -> None:
+    """A step with no query tokens (every request idle) returns empty results."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    qz = _quantizer("oscar", bits=2)
+    case = paged_case(qz, block_size=32, kv_heads=3, q_heads=9, code_lens=[32, 64], q_lens=[1, 1])
+    out, lse = torch.ops.kvq.attend_paged(backend, case.spec.to_json(), 0, case.q[:0], case.pages, case.block_table,
+                                          case.code_lens, torch.zeros(3, dtype=torch.int32), 0.1, None, None, None, None)
+    assert tuple(out.shape) == (0, 9, D) and tuple(lse.shape) == (0, 9)
+
+
 def test_fake_shapes_and_opcheck() -> None:
     qz = _quantizer("octopus", bits=3)
     case = paged_case(qz, block_size=16, kv_heads=2, q_heads=4, code_lens=[20, 5], q_lens=[2, 1], tail_lens=[1, 0],

@@ -82,16 +82,18 @@ def heads_f32(buf, addr, desc, scratch, view):
 
 @njit(cache=True, inline="always")
 def gather_rows_bytes(buf, table, req, head, first_row, desc, nbytes, dst) -> None:
-    """``dst[:nbytes]`` = a striped field's bytes: ``desc[WIDTH]`` from each row from ``first_row`` on."""
+    """``dst[:nbytes]`` = a striped field's bytes: ``desc[WIDTH]`` from each row from ``first_row`` on
+    (a statistics group's rows lie in one block, ``desc[ROW_STRIDE]`` apart)."""
     w = desc[WIDTH]
-    j, k = 0, 0
+    a = row_addr(table, req, head, first_row, desc)
+    step = desc[ROW_STRIDE]
+    j = 0
     while j < nbytes:
-        a = row_addr(table, req, head, first_row + k, desc)
         m = min(w, nbytes - j)
         for x in range(m):
             dst[j + x] = buf[a + x]
         j += m
-        k += 1
+        a += step
 
 
 @njit(cache=True, inline="always")

@@ -123,6 +123,8 @@ class PagedNumba:
         n, hq, d = q.shape
         hk, bs = pages.shape[1], pages.shape[2]
         g = hq // hk
+        if n == 0:
+            return q.new_zeros((0, hq, d), dtype=torch.float32), q.new_zeros((0, hq), dtype=torch.float32)
         layout = self._layout(bs, hk)
         to_k, to_v, from_v = self._transforms(layer, hk)
         qn = q.detach().to(torch.float32).contiguous().numpy()

@@ -235,6 +235,8 @@ class PagedTriton:
         n, hq, d = q.shape
         nb, hk, bs, _ = pages.shape
         g = hq // hk
+        if n == 0:
+            return q.new_zeros((0, hq, d), dtype=torch.float32), q.new_zeros((0, hq), dtype=torch.float32)
         dev = q.device
         layout = self._layout(bs, hk)
         consts = consts_for(self.spec_json, hk, layer, dev)
