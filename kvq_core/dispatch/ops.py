@@ -162,6 +162,20 @@ def _fake_quant_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     return None, None, None, None, torch.ops.kvq.fake_quant_grad(*ctx.call, x, grad)
 
 
+def _fake_quant_grad_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    *call, x, _ = inputs
+    ctx.call = tuple(call)
+    ctx.save_for_backward(x)
+
+
+def _fake_quant_grad_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    """The straight-through map is linear in ``grad`` and symmetric (a mask, or a mask between a
+    rotation and its inverse), and piecewise constant in ``x``: double backward applies it again."""
+    (x,) = ctx.saved_tensors
+    return None, None, None, None, None, torch.ops.kvq.fake_quant_grad(*ctx.call, x, grad)
+
+
 fake_quant.register_autograd(_fake_quant_backward, setup_context=_fake_quant_setup)
+fake_quant_grad.register_autograd(_fake_quant_grad_backward, setup_context=_fake_quant_grad_setup)
 OPS["fake_quant"] = fake_quant
 OPS["fake_quant_grad"] = fake_quant_grad

@@ -75,7 +75,9 @@ class TorchMethod:
 
     def ste_grad(self, x: torch.Tensor, grad: torch.Tensor, ctx: TorchContext, kind: str) -> torch.Tensor:
         """The straight-through gradient at ``x`` of a codec that clips (:meth:`clips`): ``grad``
-        with the clipped components zeroed, in the domain where the codec clips."""
+        with the clipped components zeroed, in the domain where the codec clips. It must be linear
+        in ``grad`` and symmetric (its own adjoint), which ``kvq::fake_quant_grad``'s own
+        gradient relies on."""
         raise NotImplementedError(f"{type(self).__name__} clips {kind} but has no ste_grad")
 
 
