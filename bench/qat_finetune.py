@@ -27,11 +27,18 @@ import json
 import math
 import random
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 CODECS = {"oscar": "oscar:bits=2", "octopus": "octopus:bits=2"}
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Progress on stderr, with the seconds since start."""
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 class ByteTokenizer:
@@ -103,18 +110,20 @@ def fine_tune(model: Any, data: list[Any], lr: float, codec: str | None, setting
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        if len(losses) % 10 == 0:
+            log(f"step {len(losses)}/{len(data)}: loss {losses[-1]:.3f}")
     model.eval()
     model.set_attn_implementation("kvq")  # evaluation: sliding-flush chunks see what decoding sees
     return {"losses": losses, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def evaluate(model: Any, tok: Any, held_ids: Any, held_text: str, configs: list[Any], args: argparse.Namespace,
+def evaluate(model: Any, tok: Any, held_ids: Any, builder: Any, configs: list[Any], args: argparse.Namespace,
              backend: str) -> dict[str, Any]:
     """PPL per cache over the held-out windows (shared prefill) and passkey recall per cache."""
     import torch
     from transformers import DynamicCache
 
-    from kvq_core.eval.niah import PromptBuilder, answer_ok, run_cell
+    from kvq_core.eval.niah import answer_ok, run_cell
     from kvq_core.eval.ppl import score_window
 
     length = args.prefix + args.score + 1
@@ -129,10 +138,10 @@ def evaluate(model: Any, tok: Any, held_ids: Any, held_text: str, configs: list[
         for c in configs:
             run, _ = score_window(model, ids, c, args.prefix, args.score, backend=backend, shared=shared, chunk=None)
             nll[c.label] += run["nll"]
+        log(f"ppl window at {s} done")
     out: dict[str, Any] = {"ppl": {k: math.exp(v / (args.score * count)) for k, v in nll.items()},
                            "windows": count, "recall": {}}
     if args.recall_prompts:
-        builder = PromptBuilder(tok, "wikitext", held_text)
         hits = {c.label: 0 for c in configs}
         for i in range(args.recall_prompts):
             rng = random.Random(1000 + i)
@@ -144,6 +153,7 @@ def evaluate(model: Any, tok: Any, held_ids: Any, held_text: str, configs: list[
             for c in configs:
                 text, _ = run_cell(model, tok, prefix, question, c, shared, backend, answer_tokens=8)
                 hits[c.label] += answer_ok(text, answer)
+            log(f"passkey prompt {i + 1}/{args.recall_prompts} done")
         out["recall"] = {k: v / args.recall_prompts for k, v in hits.items()}
     return out
 
@@ -238,14 +248,19 @@ def main(argv: list[str] | None = None) -> int:
     train_text, held_text = split_text(text)
     model, tok, info = load(args)
     train_ids, held_ids = tok(train_text, return_tensors="pt").input_ids, tok(held_text, return_tensors="pt").input_ids
+    log(f"{info['name']} loaded; {train_ids.shape[1]} train / {held_ids.shape[1]} held-out tokens")
     extra = "" if args.residual is None else f",residual={args.residual}"
     configs = [parse_config("fp")] + [parse_config(CODECS[m] + extra) for m in args.codecs]
     labels = {m: c.label for m, c in zip(args.codecs, configs[1:])}
     data_batches = batches(train_ids, args.steps, args.batch, args.seq, args.seed)
+    from kvq_core.eval.niah import PromptBuilder
+
+    builder = PromptBuilder(tok, "wikitext", held_text) if args.recall_prompts else None  # passkey prompts
+    log("passkey prompt builder ready")
     base = {k: v.clone() for k, v in model.state_dict().items()}
     results: dict[str, Any] = {}
     model.set_attn_implementation("kvq")
-    results["base"] = {"eval": evaluate(model, tok, held_ids, held_text, configs, args, args.backend)}
+    results["base"] = {"eval": evaluate(model, tok, held_ids, builder, configs, args, args.backend)}
     print(f"base: {results['base']['eval']}", flush=True)
     for run in ["plain"] + [f"qat-{m}" for m in args.codecs]:
         model.load_state_dict(base)
@@ -253,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = None if codec is None else configs[1 + args.codecs.index(codec)]
         settings = {} if cfg is None else {**cfg.params, **cfg.options}
         train = fine_tune(model, data_batches, args.lr, codec, settings, args.qat_backend)
-        results[run] = {"train": train, "eval": evaluate(model, tok, held_ids, held_text, configs, args, args.backend)}
+        results[run] = {"train": train, "eval": evaluate(model, tok, held_ids, builder, configs, args, args.backend)}
         print(f"{run}: loss {train['losses'][0]:.3f} -> {train['losses'][-1]:.3f} in {train['seconds']} s; "
               f"{results[run]['eval']}", flush=True)
     import os
