@@ -35,6 +35,7 @@ class Quantizer:
         self.arrays = registry.backend_info(backend).arrays
         self._factory = factory
         self._check_supports = registry.backend_info(backend).supports is not None
+        self._device_of = getattr(self.arrays, "device_of", None)
         self._bind_pending = bind_head_dim
         self._set_spec(spec)
 
@@ -42,6 +43,8 @@ class Quantizer:
         self.spec = spec
         self.kernels = self._factory(spec)
         self._devices: set[str | None] = set()
+        self._contexts: dict[tuple[int, int, int, int], KernelContext] = {}  # per block shape
+        self._default_scale = 1.0 / math.sqrt(spec.head_dim)
 
     def _bind(self, head_dim: Any) -> None:
         """Bind a defaulted head_dim to the first block's (once)."""
@@ -57,8 +60,7 @@ class Quantizer:
         """Ask the backend's ``supports(spec, device)`` once per device; raise with its reason."""
         if not self._check_supports:
             return
-        device_of = getattr(self.arrays, "device_of", None)
-        device = device_of(x) if device_of else None
+        device = self._device_of(x) if self._device_of is not None else None
         if device in self._devices:
             return
         ok, reason = registry.supports(self.backend, self.spec, device)
@@ -70,7 +72,17 @@ class Quantizer:
         return f"Quantizer({self.spec.describe()}, backend={self.backend!r}, layer={self.layer})"
 
     def _ctx(self, shape: tuple[int, int, int, int]) -> KernelContext:
-        return KernelContext(self.spec, self.layer, shape, LazyConstants(self.spec, shape[1], self.layer))
+        """The kernel context of a block shape (made once per shape: its constants are lazy)."""
+        try:
+            ctx = self._contexts.get(shape)
+        except TypeError:  # symbolic sizes (torch.compile) are not hashable
+            return KernelContext(self.spec, self.layer, shape, LazyConstants(self.spec, shape[1], self.layer))
+        if ctx is None:
+            if len(self._contexts) >= 64:  # a long-running cache sees many token counts
+                self._contexts.clear()
+            ctx = self._contexts[shape] = KernelContext(self.spec, self.layer, shape,
+                                                        LazyConstants(self.spec, shape[1], self.layer))
+        return ctx
 
     def _pack(self, kind: str, x: Any) -> PackedKV:
         shape = getattr(x, "shape", None)
@@ -122,12 +134,13 @@ class Quantizer:
         check_query(q, pk, pv, self.arrays)
         self._device_ok(q)
         if scale is None:
-            scale = 1.0 / math.sqrt(self.spec.head_dim)
+            scale = self._default_scale
         elif not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise InputError(f"scale={scale!r}; expected a finite number > 0")
-        kf = {k: self.arrays.asarray(v) for k, v in pk.fields.items()}
-        vf = {k: self.arrays.asarray(v) for k, v in pv.fields.items()}
-        out, lse = self.kernels.attend(self.arrays.asarray(q), kf, vf, self._ctx(pk.shape), float(scale))
+        asarray = self.arrays.asarray
+        kf = {k: asarray(v) for k, v in pk.fields.items()}
+        vf = {k: asarray(v) for k, v in pv.fields.items()}
+        out, lse = self.kernels.attend(asarray(q), kf, vf, self._ctx(pk.shape), float(scale))
         out = self.arrays.cast(out, dtype_name(q))
         return (out, lse) if return_lse else out
 

@@ -34,6 +34,8 @@ class NumbaArrays:
     """Host arrays become NumPy; device arrays stay device arrays (numba's, or the caller's)."""
 
     def asarray(self, x: Any) -> Any:
+        if type(x) is np.ndarray:  # the common case first (every field of every attend call)
+            return x
         if is_cuda_input(x):
             return x
         return to_host(x)
