@@ -124,13 +124,19 @@ class IntCodesNumba:
 
     def _attend(self, q: Any, kfields: Fields, vfields: Fields, hk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
         b, hq, lq, d = q.shape
-        qr = self._rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d))
+        kernel, args = self.attend_args(self._rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d)),
+                                        kfields, vfields, scale)
+        out, lse = kernel(*args)
+        return self._rotate(out).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+    def attend_args(self, qr: np.ndarray, kfields: Fields, vfields: Fields, scale: float) -> tuple[Any, tuple[Any, ...]]:
+        """The attend kernel and its arguments for rotated queries ``qr`` [b, hk, rows, d] (also what
+        ``kvq bench speed`` calls directly to time the Python around it)."""
         norm = as_float32(kfields["norm"]) if self.token_scaling else _NO_NORM
-        out, lse = self._attend_kernel(
+        return self._attend_kernel, (
             qr, np.ascontiguousarray(kfields["codes"]), half_bits(kfields["scale"]), half_bits(kfields["offset"]),
             norm, self.token_scaling, np.ascontiguousarray(vfields["codes"]), half_bits(vfields["scale"]),
             half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
-        return self._rotate(out).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
 
 
 class OscarNumba(IntCodesNumba):

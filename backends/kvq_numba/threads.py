@@ -16,7 +16,7 @@ one thread for small calls, and a clear error in a forked child that cannot run 
   ``BackendUnavailableError`` naming the fixes instead. TBB and the workqueue layer work in the
   child.
 
-``NUMBA_THREADING_LAYER`` set by the user is always respected.
+``NUMBA_THREADING_LAYER`` set by the user is always respected (``tbb``/``safe`` get the preload too).
 """
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ _count: tuple[Callable[[], int], Callable[[int], Any]] | None = None
 
 def prefer_tbb() -> None:
     """Make TBB from pip's ``tbb`` wheel loadable before Numba chooses its threading layer (Linux;
-    nothing when the user chose a layer, when TBB is not installed, or once Numba started)."""
-    if os.environ.get("NUMBA_THREADING_LAYER", "default").lower() != "default" or not sys.platform.startswith("linux"):
+    nothing when the user chose omp or workqueue, when TBB is not installed, or once Numba started)."""
+    if os.environ.get("NUMBA_THREADING_LAYER", "default").lower() in ("omp", "workqueue") \
+            or not sys.platform.startswith("linux"):
         return
     parallel = sys.modules.get("numba.np.ufunc.parallel")
     if parallel is not None and getattr(parallel, "_is_initialized", False):
