@@ -27,6 +27,8 @@ def is_cuda_input(x: Any) -> bool:
 
 def as_float32(x: Any) -> np.ndarray:
     """Host input as a C-contiguous float32 array (no copy when it already is one)."""
+    if type(x) is np.ndarray and x.dtype == np.float32 and x.flags.c_contiguous:
+        return x
     return np.ascontiguousarray(to_host(x), dtype=np.float32)
 
 
