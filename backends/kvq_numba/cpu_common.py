@@ -115,6 +115,8 @@ def sum_squares(a, n) -> np.float32:
 
 def half_bits(a: np.ndarray) -> np.ndarray:
     """A float16 array as its contiguous uint16 bit patterns (no copy when already contiguous)."""
+    if a.dtype == np.float16 and a.flags.c_contiguous:
+        return a.view(np.uint16)
     return np.ascontiguousarray(a, dtype=np.float16).view(np.uint16)
 
 

@@ -7,6 +7,7 @@ ingredients their method uses.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -41,7 +42,7 @@ class IntCodesNumba:
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
         self._cuda: Any = None
 
-    @property
+    @functools.cached_property
     def _attend_kernel(self) -> Any:
         """The vector kernel (cpu_attend_planes) for 2- and 4-bit rows of whole 8-byte chunks, else the general one."""
         if cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group):

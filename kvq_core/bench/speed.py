@@ -168,8 +168,9 @@ OVERHEAD_TARGET_US = 15.0
 def call_overhead(repeats: int = 7, calls: int = 2000) -> dict[str, Any] | None:
     """The Python cost of one ``Quantizer.attend`` call: its time on a 1-token OScaR INT2 block
     (numba) minus a direct call of the same ``@njit`` attend kernel on the same prepared arrays,
-    both on one thread (what the quantizer runs a call this small on); the query and output
-    rotations (two more ``@njit`` calls) are reported beside it. None without numba."""
+    both on one thread (what the quantizer runs a call this small on), timed in this thread's CPU
+    time (``time.thread_time``: a shared machine's preemptions do not count); the query and
+    output rotations (two more ``@njit`` calls) are reported beside it. None without numba."""
     import kvq_core
 
     try:
@@ -191,10 +192,10 @@ def call_overhead(repeats: int = 7, calls: int = 2000) -> dict[str, Any] | None:
             fn()
         best = math.inf
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             for _ in range(calls):
                 fn()
-            best = min(best, (time.perf_counter() - t0) / calls)
+            best = min(best, (time.thread_time() - t0) / calls)
         return best * 1e6
 
     threads = numba.get_num_threads()
@@ -211,7 +212,7 @@ def call_overhead(repeats: int = 7, calls: int = 2000) -> dict[str, Any] | None:
 
 
 def _overhead_line(o: dict[str, Any]) -> str:
-    return (f"attend call overhead (numba OScaR INT2, 1-token block, 3 KV heads x 64, 9 query heads, 1 thread): "
+    return (f"attend call overhead (numba OScaR INT2, 1-token block, 3 KV heads x 64, 9 query heads, 1 thread, CPU time): "
             f"Quantizer.attend {o['attend_us']:.1f} us, its attend kernel called directly {o['kernel_us']:.1f} us "
             f"(+ query/output rotations {o['rotations_us']:.1f} us): overhead **{o['overhead_us']:.1f} us** "
             f"(target <= {o['target_us']:g} us: {'met' if o['met'] else 'not met'})")
