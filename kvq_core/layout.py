@@ -202,7 +202,7 @@ class PackedKV:
         non-finite stored floats. Checked once per block: a block keeps the fields it was checked
         with and skips the checks while they are the same objects (in-place writes into a field's
         array after validation are not seen)."""
-        if self._checked is not None and self._same_as_checked():
+        if self.is_validated():
             return
         self.check_structure()
         check = all_finite if all_finite is not None else _host_finite
@@ -255,6 +255,10 @@ class PackedKV:
         """Record that the block as it is now passed :meth:`validate` (a quantizer calls this for
         the blocks it makes, whose fields it has just checked)."""
         self._checked = (self.spec, self.kind, self.shape, self.layer, self.dtype, tuple(self.fields.items()))
+
+    def is_validated(self) -> bool:
+        """True when the block, as it is now, has passed :meth:`validate`."""
+        return self._checked is not None and self._same_as_checked()
 
     def _same_as_checked(self) -> bool:
         spec, kind, shape, layer, dtype, fields = self._checked
@@ -438,8 +442,18 @@ def concat_tokens(parts: "list[PackedKV]", arrays: Any = None) -> PackedKV:
         fields[name] = join(xs, ax) if join else np.concatenate([to_host(x) for x in xs], axis=ax)
     tokens = sum(p.shape[2] for p in parts)
     out = dataclasses.replace(first, shape=(first.shape[0], first.shape[1], tokens, first.shape[3]), fields=fields)
-    out.validate()
+    out.check_structure()
+    inherit_validation(out, parts)
     return out
+
+
+def inherit_validation(out: PackedKV, parts: "list[PackedKV]") -> None:
+    """A block made by moving codes of ``parts`` stores their values, so when every part has passed
+    :meth:`PackedKV.validate` it counts as validated too once its structure checks (no second
+    scan of the values on the cache's join, slice and batch-selection paths)."""
+    if all(p.is_validated() for p in parts):
+        out.check_structure()
+        out.mark_checked()
 
 
 def slice_tokens(p: PackedKV, start: int, stop: int) -> PackedKV:
@@ -460,4 +474,6 @@ def slice_tokens(p: PackedKV, start: int, stop: int) -> PackedKV:
         index = [slice(None)] * a.ndim
         index[axes[name]] = slice(lo[name], hi[name])
         fields[name] = a[tuple(index)]
-    return dataclasses.replace(p, shape=(p.shape[0], p.shape[1], stop - start, p.shape[3]), fields=fields)
+    out = dataclasses.replace(p, shape=(p.shape[0], p.shape[1], stop - start, p.shape[3]), fields=fields)
+    inherit_validation(out, [p])
+    return out
