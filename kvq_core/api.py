@@ -55,8 +55,6 @@ class Quantizer:
         self._factory = factory
         self._check_supports = registry.backend_info(backend).supports is not None
         self._device_of = getattr(self.arrays, "device_of", None)
-        #: kernel contexts of the bound spec per (block shape, layer): their constants are lazy
-        self._contexts: dict[tuple[Any, int], KernelContext] = {}
         self._bind_lock = threading.Lock()
         self._devices: frozenset[str | None] = frozenset()
         self._bound = _Bound(spec, factory(spec))
@@ -117,20 +115,9 @@ class Quantizer:
     def __repr__(self) -> str:
         return f"Quantizer({self.spec.describe()}, backend={self.backend!r}, layer={self.layer})"
 
-    def _ctx(self, state: _Bound, shape: tuple[int, int, int, int], layer: int) -> KernelContext:
-        """The kernel context of a call (the bound spec's made once per block shape and layer)."""
-        if state is not self._bound:
-            return KernelContext(state.spec, layer, shape, LazyConstants(state.spec, shape[1], layer))
-        key = (shape, layer)
-        try:
-            ctx = self._contexts.get(key)
-        except TypeError:  # symbolic sizes (torch.compile) are not hashable
-            return KernelContext(state.spec, layer, shape, LazyConstants(state.spec, shape[1], layer))
-        if ctx is None or ctx.spec is not state.spec:
-            if len(self._contexts) >= 64:  # a long-running cache sees many token counts
-                self._contexts.clear()
-            ctx = self._contexts[key] = KernelContext(state.spec, layer, shape, LazyConstants(state.spec, shape[1], layer))
-        return ctx
+    @staticmethod
+    def _ctx(state: _Bound, shape: tuple[int, int, int, int], layer: int) -> KernelContext:
+        return KernelContext(state.spec, layer, shape, LazyConstants(state.spec, shape[1], layer))
 
     def _pack(self, kind: str, x: Any, layer: int | None) -> PackedKV:
         layer = check_layer(layer, self.layer)
