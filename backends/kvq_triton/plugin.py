@@ -17,6 +17,7 @@ import importlib
 from collections.abc import Callable
 
 from kvq_core.dispatch.calls import op_backend
+from kvq_core.dispatch.table import register_paged_kernel
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.spec import MethodSpec
@@ -99,8 +100,14 @@ def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
     return True, None
 
 
+#: ``kvq::attend_paged`` (oscar, kivi, octopus in Triton; other specs: torch's fallback)
+PAGED = "kvq_triton.paged:PagedTriton"
+
+
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
+    for method in KERNELS:
+        register_paged_kernel(NAME, method, PAGED)
     register(BackendInfo(NAME, op_backend(NAME, KERNELS), "kvq_triton.arrays:TritonArrays", is_available,
                          summary="Triton GPU kernels: packed encode/decode, fused split-KV decode attention "
                                  "(CUDA; CPU under TRITON_INTERPRET=1)", supports=supports))
