@@ -1,5 +1,5 @@
 """Torch kernels of ``quarot`` (mirrors ``kvq_numpy/quarot.py``): Hadamard per head (the core's
-dense matrix), then per-token asymmetric INT-b with group = head_dim and
+dense factor by :func:`~kvq_torch.common.hadamard_rotate`), then per-token asymmetric INT-b with group = head_dim and
 QuaRot's clipping of the range (``clip_ratio``)."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvq_torch.common import (
     asym_quantize,
     group_channels,
     group_range,
+    hadamard_rotate,
     pack_codes,
     softmax_attend,
     unpack_codes,
@@ -20,9 +21,8 @@ from kvq_torch.common import (
 
 
 def _rotate(x: torch.Tensor, ctx: TorchContext) -> torch.Tensor:
-    """x H with the core's matrix (symmetric, its own inverse); identity without rotation."""
-    x = x.to(torch.float32)
-    return x @ ctx.consts["hadamard"] if "hadamard" in ctx.consts else x
+    """x H (symmetric, its own inverse) by the fast transform; identity without rotation."""
+    return hadamard_rotate(x, ctx.consts["hadamard"]) if "hadamard" in ctx.consts else x.to(torch.float32)
 
 
 class QuaRotTorch(TorchMethod):
