@@ -21,6 +21,7 @@ import torch
 
 from kvq_core.dispatch.arrays import TorchArrays
 from kvq_core.dispatch.calls import op_backend
+from kvq_core.dispatch.table import register_paged_kernel
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo, Deferred
 from kvq_torch.compiled import compiled
@@ -40,6 +41,9 @@ KERNELS: dict[str, str] = {
 
 EAGER, COMPILED = "torch", "torch-compiled"
 
+#: ``kvq::attend_paged`` for every method: decode the pages, masked softmax (the fallback of every backend)
+PAGED = "kvq_torch.paged:PagedTorch"
+
 
 @functools.lru_cache(maxsize=1)
 def _compiled_available() -> tuple[bool, str | None]:
@@ -57,6 +61,8 @@ def _compiled_available() -> tuple[bool, str | None]:
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
     arrays = TorchArrays()
+    for method in KERNELS:
+        register_paged_kernel(EAGER, method, PAGED)
     register(BackendInfo(EAGER, op_backend(EAGER, KERNELS), arrays,
                          summary=f"PyTorch {torch.__version__} eager: kvq:: custom ops (CPU/CUDA; compile/export friendly)",
                          kernel_entry=_eager_entry))
@@ -67,7 +73,9 @@ def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
 
 
 def _eager_entry(method: str, ref: object) -> object:
-    """A plugin's TorchMethod subclass (or its reference) for ``method``, served through the kvq:: ops."""
+    """A plugin's TorchMethod subclass (or its reference) for ``method``, served through the kvq:: ops
+    (``kvq::attend_paged`` too, by the decoding fallback)."""
+    register_paged_kernel(EAGER, method, PAGED)
     return op_backend(EAGER, {method: ref})[method]
 
 

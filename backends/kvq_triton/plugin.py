@@ -19,6 +19,7 @@ from typing import Any
 
 from kvq_core.dispatch.arrays import TorchArrays
 from kvq_core.dispatch.calls import op_backend
+from kvq_core.dispatch.table import register_paged_kernel
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.spec import MethodSpec
@@ -112,8 +113,14 @@ class TritonArrays(TorchArrays):
         return t
 
 
+#: ``kvq::attend_paged`` (oscar, kivi, octopus in Triton; other specs: torch's fallback)
+PAGED = "kvq_triton.paged:PagedTriton"
+
+
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
+    for method in KERNELS:
+        register_paged_kernel(NAME, method, PAGED)
     register(BackendInfo(NAME, op_backend(NAME, KERNELS), TritonArrays(), is_available,
                          summary="Triton GPU kernels: packed encode/decode, fused split-KV decode attention "
                                  "(CUDA; CPU under TRITON_INTERPRET=1)", supports=supports))
