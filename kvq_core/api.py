@@ -110,6 +110,43 @@ class Quantizer:
     def decode_values(self, pv: PackedKV) -> Any:
         return self._unpack(pv, "values")
 
+    def fake_quant(self, x: Any, kind: str) -> Any:
+        """``decode(encode(x))`` in x's shape and dtype: what attention reads back from a cache
+        storing ``x`` as ``kind`` ("keys" or "values"), for quantization-aware training.
+
+        On the torch-tensor backends (torch, torch-compiled, triton) this is one ``kvq::fake_quant``
+        op with a straight-through gradient (identity, zero where the codec clips:
+        :mod:`kvq_core.training`), traceable by ``torch.compile(fullgraph=True)``. Other backends
+        compose encode and decode and have no gradient (a tensor that requires grad is refused).
+        Eager calls reject non-finite input, and input whose stored fields overflow (a float16
+        scale past 65504: the output would not be finite); the underflow check of ``encode_*``
+        is not made.
+        """
+        if kind not in ("keys", "values"):
+            raise InputError(f"kind={kind!r}; expected 'keys' or 'values'")
+        shape = getattr(x, "shape", None)
+        if self._bind_pending and shape is not None and len(shape) == 4:
+            self._bind(shape[3])
+        shape = check_kv(x, self.spec, self.arrays, kind)
+        self._device_ok(x)
+        fused = getattr(self.kernels, "fake_quant", None)
+        if fused is not None:
+            out = fused(kind, self.arrays.asarray(x), self._ctx(shape))
+        elif getattr(x, "requires_grad", False):
+            raise BackendUnavailableError(
+                f"backend {self.backend!r} has no differentiable fake_quant ({kind} require grad); use a torch-tensor "
+                "backend: 'torch', 'torch-compiled' or 'triton'")
+        else:
+            encode = self.kernels.encode_keys if kind == "keys" else self.kernels.encode_values
+            decode = self.kernels.decode_keys if kind == "keys" else self.kernels.decode_values
+            ctx = self._ctx(shape)
+            out = self.arrays.cast(decode(encode(self.arrays.asarray(x), ctx), ctx), dtype_name(x))
+        if not self.arrays.all_finite(out):
+            raise InputError(f"{kind}: {self.spec.method}'s stored fields overflow for this input (float16 holds up to "
+                             "65504), so it decodes to non-finite values; scale the input down, or use the method's "
+                             "float32 storage option where it has one")
+        return out
+
     def attend(self, q: Any, pk: PackedKV, pv: PackedKV, scale: float | None = None, return_lse: bool = False) -> Any:
         """Softmax attention of ``q`` over the packed cache, scoring from the codes.
 

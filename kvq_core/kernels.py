@@ -146,5 +146,9 @@ class MethodKernels(Protocol):
         self, q: Any, kfields: dict[str, Any], vfields: dict[str, Any], ctx: KernelContext, scale: float
     ) -> tuple[Any, Any]: ...
 
+    # Optional: ``fake_quant(kind, x, ctx)`` returns ``decode(encode(x))`` in x's dtype in one
+    # differentiable call (the torch-tensor backends' ``kvq::fake_quant`` op); without it
+    # :meth:`kvq_core.Quantizer.fake_quant` composes the two kernels (no gradient).
+
 
 __all__ = ["ArrayAdapter", "BackendInfo", "Deferred", "KernelContext", "MethodInfo", "MethodKernels", "Supports", "resolve"]

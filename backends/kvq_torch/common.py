@@ -209,6 +209,19 @@ def group_channels(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
 
 
+def group_range(x: torch.Tensor, dim: int, clip_ratio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range ``(mn, mx)`` (kept dims) that :func:`asym_quantize` codes per slice along ``dim``:
+    the slice's min and max, or with ``clip_ratio`` < 1 ``rho * min(mn, 0)``, ``rho * max(mx, 0)``."""
+    x = x.to(torch.float32)
+    mn = x.amin(dim=dim, keepdim=True)
+    mx = x.amax(dim=dim, keepdim=True)
+    if clip_ratio != 1.0:
+        ratio = float(torch.tensor(clip_ratio, dtype=torch.float32))
+        mn = ratio * torch.clamp(mn, max=0.0)
+        mx = ratio * torch.clamp(mx, min=0.0)
+    return mn, mx
+
+
 def asym_quantize(
     x: torch.Tensor, bits: int, dim: int, zero_point: str = "integer", clip_ratio: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -227,12 +240,7 @@ def asym_quantize(
     """
     x = x.to(torch.float32)
     levels = float(2**bits - 1)
-    mn = x.amin(dim=dim, keepdim=True)
-    mx = x.amax(dim=dim, keepdim=True)
-    if clip_ratio != 1.0:
-        ratio = float(torch.tensor(clip_ratio, dtype=torch.float32))
-        mn = ratio * torch.clamp(mn, max=0.0)
-        mx = ratio * torch.clamp(mx, min=0.0)
+    mn, mx = group_range(x, dim, clip_ratio)
     if zero_point == "integer":
         all_zero = (mn == 0) & (mx == 0)
         mn = torch.where(all_zero, -1.0, mn)

@@ -12,6 +12,7 @@ from kvq_torch.common import (
     asym_dequantize,
     asym_quantize,
     group_channels,
+    group_range,
     pack_codes,
     softmax_attend,
     unpack_codes,
@@ -41,6 +42,18 @@ class QuaRotTorch(TorchMethod):
 
     def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
         return _rotate(self._decode_rotated(fields), ctx)
+
+    def clips(self, kind: str) -> bool:
+        """``clip_ratio`` < 1 cuts each token's rotated range (QuaRot's clipping)."""
+        return self.spec.clip_ratio < 1.0
+
+    def ste_grad(self, x: torch.Tensor, grad: torch.Tensor, ctx: TorchContext, kind: str) -> torch.Tensor:
+        """Straight-through: exact through the rotation, zero for rotated coordinates outside
+        their token's clipped range (``H`` is its own inverse: ``H (m * H g)``)."""
+        y = group_channels(_rotate(x, ctx), self.spec.head_dim)
+        mn, mx = group_range(y, 4, self.spec.clip_ratio)
+        kept = ((y >= mn) & (y <= mx)).reshape(x.shape)
+        return _rotate(_rotate(grad, ctx) * kept, ctx)
 
     def attend(self, q, kfields: Fields, vfields: Fields, ctx: TorchContext, scale):
         """Score H q against rotated-domain keys; rotate the output back once."""

@@ -43,6 +43,10 @@ class OpKernels:
     def decode_values(self, fields: dict[str, Any], ctx: KernelContext) -> Any:
         return self._decode("values", fields, ctx)
 
+    def fake_quant(self, kind: str, x: Any, ctx: KernelContext) -> Any:
+        """``decode(encode(x))`` in one ``kvq::fake_quant`` op, with a straight-through gradient."""
+        return torch.ops.kvq.fake_quant(self.backend, self.spec_json, ctx.layer, kind, x)
+
     def attend(self, q: Any, kfields: dict[str, Any], vfields: dict[str, Any], ctx: KernelContext,
                scale: float) -> tuple[Any, Any]:
         kf = [kfields[n] for n in self.names["keys"]]
