@@ -69,16 +69,16 @@ def _cases():
         codes_ptr=I32, out_ptr=P8, rows="i32", count="i32", nbytes="i32", BITS=13, SLOTS=2, ROWS=16, NBP=128)
     for name, integer_zero, ab, gb, cb in (("keys", True, 1, 32, 128), ("values", False, 128, 32, 1)):
         yield f"quantize-{name}", intcodes._quantize_kernel, dict(
-            x_ptr=P32, codes_ptr=P8, scale_ptr=P16, offset_ptr=P16, A="i32", L="i32", C="i32", group="i32",
-            n_groups="i32", BITS=2, INTEGER_ZERO=integer_zero, AB=ab, GB=gb, CB=cb)
+            x_ptr=P32, codes_ptr=P8, scale_ptr=P16, offset_ptr=P16, A="i32", L="i32", C="i32", n_groups="i32",
+            GROUP=128 if integer_zero else 32, BITS=2, INTEGER_ZERO=integer_zero, AB=ab, GB=gb, CB=cb)
     for norm_correction in (False, True):
         yield f"coordinates-nc{int(norm_correction)}", codebook._coordinate_kernel, dict(
-            v_ptr=P32, codes_ptr=I32, norm_ptr=P32, rows="i32", thresholds=P32, n_thresholds="i32",
-            centroids=P32, D=128, DP=128, RB=32, NORM_CORRECTION=norm_correction)
+            v_ptr=P32, codes_ptr=I32, norm_ptr=P32, rows="i32", thresholds=P32, centroids=P32, N_THRESHOLDS=7,
+            D=128, DP=128, RB=32, NORM_CORRECTION=norm_correction)
     for joint in (False, True):
         yield f"triplets-joint{int(joint)}", codebook._triplet_kernel, dict(
-            v_ptr=P32, codes_ptr=I32, rows="i32", n_triplets="i32", xi_thr=P32, n_xi="i32", eta_thr=P32,
-            n_eta="i32", rho_thr=P32, n_rho="i32", directions=P32, D=128, TP=64, RB=16, RHO_BITS=1, JOINT=joint)
+            v_ptr=P32, codes_ptr=I32, rows="i32", n_triplets="i32", xi_thr=P32, eta_thr=P32, rho_thr=P32,
+            directions=P32, N_XI=7, N_ETA=7, N_RHO=1, D=128, TP=64, RB=16, RHO_BITS=1, JOINT=joint)
     for name, (ptrs, consts) in STORED.items():
         yield f"decode-{name}", tiles._decode_kernel, dict(
             codes=ptrs[0], aux0=ptrs[1], aux1=ptrs[2], tscale=P32, out_ptr=P32, T="i32", HK="i32", nb="i32",

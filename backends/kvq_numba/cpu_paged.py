@@ -70,13 +70,20 @@ def token_rows(table, req, head, t0, n, desc, out) -> None:
 def heads_f32(buf, addr, desc, scratch, view):
     """The float32 of a field shared by the heads, striped from byte ``addr`` (head 0's row) over
     the heads' rows ``desc[HEAD_STRIDE]`` apart, ``desc[WIDTH]`` bytes each."""
-    w = desc[WIDTH]
-    j, a = 0, addr
-    while j < 4:
-        for x in range(min(w, 4 - j)):
-            scratch[j + x] = buf[a + x]
-        j += w
-        a += desc[HEAD_STRIDE]
+    w, hs = desc[WIDTH], desc[HEAD_STRIDE]
+    if w >= 4:
+        for x in range(4):
+            scratch[x] = buf[addr + x]
+    elif w == 2:  # the common stripes (2 or 3 kv heads): two bytes from each of two rows, unrolled
+        scratch[0], scratch[1] = buf[addr], buf[addr + 1]
+        scratch[2], scratch[3] = buf[addr + hs], buf[addr + hs + 1]
+    else:
+        j, a = 0, addr
+        while j < 4:
+            for x in range(min(w, 4 - j)):
+                scratch[j + x] = buf[a + x]
+            j += w
+            a += hs
     return view[0]
 
 
@@ -87,6 +94,12 @@ def gather_rows_bytes(buf, table, req, head, first_row, desc, nbytes, dst) -> No
     w = desc[WIDTH]
     a = row_addr(table, req, head, first_row, desc)
     step = desc[ROW_STRIDE]
+    if w == 4 and nbytes % 4 == 0:  # the common stripe (128 bytes over 32 rows), unrolled
+        for r in range(nbytes // 4):
+            dst[4 * r], dst[4 * r + 1] = buf[a], buf[a + 1]
+            dst[4 * r + 2], dst[4 * r + 3] = buf[a + 2], buf[a + 3]
+            a += step
+        return
     j = 0
     while j < nbytes:
         m = min(w, nbytes - j)

@@ -27,6 +27,7 @@ from kvq_torch.common import hadamard_rotate
 from kvq_torch.paged import query_positions
 from kvq_torch.rotation import rotate_queries, unrotate_output
 from kvq_triton.attention import DOT_PRECISION, _combine_kernel
+from kvq_triton.config import INTERPRETER
 from kvq_triton.packing import span, unpack_at
 from kvq_triton.tiles import unpack_bytes
 
@@ -49,6 +50,72 @@ def _f32(pages, addr, head_stride, WIDTH: tl.constexpr, mask):
     a = addr[:, None] + (p // WIDTH) * head_stride + (p % WIDTH)
     b = tl.load(pages + a, mask=mask[:, None], other=0).to(tl.int32)
     return tl.sum(b << (8 * p), axis=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _paged_block(q, m_i, l_i, acc, n0, end, req, head, pages, table, aux0, aux1, MB, s_block, s_head, s_row, scale,
+                 D: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                 SPAN: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr, RHO_BITS: tl.constexpr,
+                 CODE_BYTES: tl.constexpr, K_OFF: tl.constexpr, KS_OFF: tl.constexpr, KO_OFF: tl.constexpr,
+                 STAT_W: tl.constexpr, KN_OFF: tl.constexpr, KN_W: tl.constexpr, USE_NORM: tl.constexpr,
+                 V_OFF: tl.constexpr, VS_OFF: tl.constexpr, VO_OFF: tl.constexpr, VN_OFF: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """The online-softmax step over the ``BN`` paged tokens from ``n0``: returns the new (m, l, acc)."""
+    d = tl.arange(0, D)[None, :]
+    t = n0 + tl.arange(0, BN)
+    t_ok = t < end
+    blk = tl.load(table + req.to(tl.int64) * MB + t // BS, mask=t_ok, other=0).to(tl.int64)
+    base = blk * s_block + head + (t % BS).to(tl.int64) * s_row  # [BN]
+    ok2 = t_ok[:, None]
+    if KIND == 0:
+        code = unpack_bytes(pages + base[:, None] + K_OFF, ok2, BITS, CODE_BYTES).to(tl.float32)
+        g0 = (n0 // KGROUP) * KGROUP  # the tile lies in one key group: its striped stats
+        gblk = tl.load(table + req.to(tl.int64) * MB + g0 // BS).to(tl.int64)
+        grow = gblk * s_block + head + (g0 % BS) * s_row
+        p0 = 2 * d
+        sa = grow + (p0 // STAT_W) * s_row + p0 % STAT_W
+        sb = grow + ((p0 + 1) // STAT_W) * s_row + (p0 + 1) % STAT_W
+        lo_s = tl.load(pages + sa + KS_OFF).to(tl.int32)
+        hi_s = tl.load(pages + sb + KS_OFF).to(tl.int32)
+        lo_o = tl.load(pages + sa + KO_OFF).to(tl.int32)
+        hi_o = tl.load(pages + sb + KO_OFF).to(tl.int32)
+        ks = (lo_s | (hi_s << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        ko = (lo_o | (hi_o << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        k = tl.where(ok2, code * ks + ko, 0.0)
+        if USE_NORM:
+            ts = _f32(pages, blk * s_block + (t % BS).to(tl.int64) * s_row + KN_OFF, s_head, KN_W, t_ok)
+        else:
+            ts = tl.full((BN,), 1.0, tl.float32)
+    else:
+        i = d // 3
+        ok = ok2 & (d < D)
+        kc = unpack_at(pages + base[:, None] + K_OFF, i, CODE_BYTES, BITS, SPAN, ok)
+        k = (tl.load(aux0 + (kc & ((1 << RHO_BITS) - 1)), mask=ok, other=0.0)
+             * tl.load(aux1 + (kc >> RHO_BITS) * 3 + (d - 3 * i), mask=ok, other=0.0))
+        ts = _f32(pages, base + KN_OFF, s_head, 4, t_ok)
+    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * ts[None, :]
+    logits = tl.where(t_ok[None, :], logits * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if KIND == 0:
+        code = unpack_bytes(pages + base[:, None] + V_OFF, ok2, BITS, CODE_BYTES).to(tl.float32)
+        gi = tl.arange(0, D // VGROUP)[None, :]
+        vs = _half(pages, base[:, None] + VS_OFF + 2 * gi, ok2)
+        vo = _half(pages, base[:, None] + VO_OFF + 2 * gi, ok2)
+        vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (BN, D // VGROUP, VGROUP)), (BN, D))
+        vo = tl.reshape(tl.broadcast_to(vo[:, :, None], (BN, D // VGROUP, VGROUP)), (BN, D))
+        v = tl.where(ok2, code * vs + vo, 0.0)
+    else:
+        i = d // 3
+        ok = ok2 & (d < D)
+        vc = unpack_at(pages + base[:, None] + V_OFF, i, CODE_BYTES, BITS, SPAN, ok)
+        v = (tl.load(aux0 + (vc & ((1 << RHO_BITS) - 1)), mask=ok, other=0.0)
+             * tl.load(aux1 + (vc >> RHO_BITS) * 3 + (d - 3 * i), mask=ok, other=0.0))
+        v = v * _f32(pages, base + VN_OFF, s_head, 4, t_ok)[:, None]
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -81,66 +148,26 @@ def _paged_split_kernel(
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seen)
     head = h.to(tl.int64) * s_head
-    for n0 in range(start, end, BN):
-        t = n0 + tl.arange(0, BN)
-        t_ok = t < end
-        blk = tl.load(table + req.to(tl.int64) * MB + t // BS, mask=t_ok, other=0).to(tl.int64)
-        base = blk * s_block + head + (t % BS).to(tl.int64) * s_row  # [BN]
-        ok2 = t_ok[:, None]
-        if KIND == 0:
-            code = unpack_bytes(pages + base[:, None] + K_OFF, ok2, BITS, CODE_BYTES).to(tl.float32)
-            g0 = (n0 // KGROUP) * KGROUP  # the tile lies in one key group: its striped stats
-            gblk = tl.load(table + req.to(tl.int64) * MB + g0 // BS).to(tl.int64)
-            grow = gblk * s_block + head + (g0 % BS) * s_row
-            p0 = 2 * d
-            sa = grow + (p0 // STAT_W) * s_row + p0 % STAT_W
-            sb = grow + ((p0 + 1) // STAT_W) * s_row + (p0 + 1) % STAT_W
-            lo_s = tl.load(pages + sa + KS_OFF).to(tl.int32)
-            hi_s = tl.load(pages + sb + KS_OFF).to(tl.int32)
-            lo_o = tl.load(pages + sa + KO_OFF).to(tl.int32)
-            hi_o = tl.load(pages + sb + KO_OFF).to(tl.int32)
-            ks = (lo_s | (hi_s << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            ko = (lo_o | (hi_o << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            k = tl.where(ok2, code * ks + ko, 0.0)
-            if USE_NORM:
-                ts = _f32(pages, blk * s_block + (t % BS).to(tl.int64) * s_row + KN_OFF, s_head, KN_W, t_ok)
-            else:
-                ts = tl.full((BN,), 1.0, tl.float32)
-        else:
-            i = d // 3
-            ok = ok2 & (d < D)
-            kc = unpack_at(pages + base[:, None] + K_OFF, i, CODE_BYTES, BITS, SPAN, ok)
-            k = (tl.load(aux0 + (kc & ((1 << RHO_BITS) - 1)), mask=ok, other=0.0)
-                 * tl.load(aux1 + (kc >> RHO_BITS) * 3 + (d - 3 * i), mask=ok, other=0.0))
-            ts = _f32(pages, base + KN_OFF, s_head, 4, t_ok)
-        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * ts[None, :]
-        logits = tl.where(t_ok[None, :], logits * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(logits - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KIND == 0:
-            code = unpack_bytes(pages + base[:, None] + V_OFF, ok2, BITS, CODE_BYTES).to(tl.float32)
-            gi = tl.arange(0, D // VGROUP)[None, :]
-            vs = _half(pages, base[:, None] + VS_OFF + 2 * gi, ok2)
-            vo = _half(pages, base[:, None] + VO_OFF + 2 * gi, ok2)
-            vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (BN, D // VGROUP, VGROUP)), (BN, D))
-            vo = tl.reshape(tl.broadcast_to(vo[:, :, None], (BN, D // VGROUP, VGROUP)), (BN, D))
-            v = tl.where(ok2, code * vs + vo, 0.0)
-        else:
-            i = d // 3
-            ok = ok2 & (d < D)
-            vc = unpack_at(pages + base[:, None] + V_OFF, i, CODE_BYTES, BITS, SPAN, ok)
-            v = (tl.load(aux0 + (vc & ((1 << RHO_BITS) - 1)), mask=ok, other=0.0)
-                 * tl.load(aux1 + (vc >> RHO_BITS) * 3 + (d - 3 * i), mask=ok, other=0.0))
-            v = v * _f32(pages, base + VN_OFF, s_head, 4, t_ok)[:, None]
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
+    if INTERPRETER:  # run-time loop bounds: see kvq_triton.config.INTERPRETER
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _paged_block(q, m_i, l_i, acc, n0, end, req, head, pages, table, aux0, aux1, MB, s_block,
+                                         s_head, s_row, scale, D, BN, BS, KIND, BITS, SPAN, KGROUP, VGROUP, RHO_BITS,
+                                         CODE_BYTES, K_OFF, KS_OFF, KO_OFF, STAT_W, KN_OFF, KN_W, USE_NORM, V_OFF,
+                                         VS_OFF, VO_OFF, VN_OFF, PRECISION)
+            n0 += BN
+    else:
+        for n0 in range(start, end, BN):
+            m_i, l_i, acc = _paged_block(q, m_i, l_i, acc, n0, end, req, head, pages, table, aux0, aux1, MB, s_block,
+                                         s_head, s_row, scale, D, BN, BS, KIND, BITS, SPAN, KGROUP, VGROUP, RHO_BITS,
+                                         CODE_BYTES, K_OFF, KS_OFF, KO_OFF, STAT_W, KN_OFF, KN_W, USE_NORM, V_OFF,
+                                         VS_OFF, VO_OFF, VN_OFF, PRECISION)
     if HAS_TAIL:
         if split == 0:
             exact = tl.minimum(tl.load(tail_lens + req), pos + 1 - coded)
             trow = (req.to(tl.int64) * HK + h) * max_tail
-            for n0 in range(0, exact, BN):
+            n0 = 0  # a while loop: the tail is short, and every Triton interpreter takes its run-time bound
+            while n0 < exact:
                 t = n0 + tl.arange(0, BN)
                 t_ok = t < exact
                 k = tl.load(tail_k + (trow + t[:, None]) * D + d, mask=t_ok[:, None], other=0.0)
@@ -153,6 +180,7 @@ def _paged_split_kernel(
                 v = tl.load(tail_v + (trow + t[:, None]) * D + d, mask=t_ok[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
                 m_i = m_new
+                n0 += BN
     part = ((tok.to(tl.int64) * HK + h) * n_splits + split) * G + rows
     tl.store(m_part + part, m_i, mask=row_ok)
     tl.store(l_part + part, l_i, mask=row_ok)

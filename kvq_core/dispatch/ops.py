@@ -146,3 +146,78 @@ def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Te
 
 
 OPS = {"encode": encode, "decode": decode, "attend": attend, "materialize": materialize, "attend_paged": attend_paged}
+
+
+# --------------------------------------------------------------------------------------------
+# kvq::fake_quant (quantization-aware training): decode(encode(x)) in one op, differentiable
+#
+#   kvq::fake_quant(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor
+#   kvq::fake_quant_grad(str backend, str spec_json, int layer, str kind, Tensor x, Tensor grad) -> Tensor
+#
+# ``fake_quant`` returns what a cache storing ``x`` hands attention back, in x's shape and dtype
+# (the backend's own encode and decode kernels, composed). Its gradient is straight-through:
+# the identity, except for a codec that clips (``TorchMethod.clips(kind)``), whose gradient
+# ``fake_quant_grad`` computes (``TorchMethod.ste_grad``); which methods clip, and where, is in
+# kvq_core/training.py.
+# --------------------------------------------------------------------------------------------
+FAKE_QUANT_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor"
+FAKE_QUANT_GRAD_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor x, Tensor grad) -> Tensor"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fake_quant", mutates_args=(), schema=FAKE_QUANT_SCHEMA)
+def fake_quant(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+    return run.fake_quant(backend, spec_json, layer, kind, x)
+
+
+@fake_quant.register_fake
+def _(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+    torch._check(x.dim() == 4, lambda: f"kvq::fake_quant: x must be [batch, kv_heads, tokens, head_dim], got {x.dim()}-D")
+    torch._check(x.dtype in FLOAT_DTYPES, lambda: f"kvq::fake_quant: x is {x.dtype}; expected a floating dtype")
+    _layout(spec_json, kind, x.shape)  # checks kind
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fake_quant_grad", mutates_args=(), schema=FAKE_QUANT_GRAD_SCHEMA)
+def fake_quant_grad(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor,
+                    grad: torch.Tensor) -> torch.Tensor:
+    return run.fake_quant_grad(backend, spec_json, layer, kind, x, grad)
+
+
+@fake_quant_grad.register_fake
+def _(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    torch._check(grad.shape == x.shape, lambda: f"kvq::fake_quant_grad: grad {list(grad.shape)} vs x {list(x.shape)}")
+    return grad.new_empty(grad.shape)
+
+
+def _fake_quant_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    backend, spec_json, layer, kind, x = inputs
+    ctx.call = (backend, spec_json, layer, kind)
+    ctx.clips = run.clips(backend, spec_json, kind)
+    if ctx.clips:
+        ctx.save_for_backward(x)
+
+
+def _fake_quant_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    if not ctx.clips:
+        return None, None, None, None, grad
+    (x,) = ctx.saved_tensors
+    return None, None, None, None, torch.ops.kvq.fake_quant_grad(*ctx.call, x, grad)
+
+
+def _fake_quant_grad_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    *call, x, _ = inputs
+    ctx.call = tuple(call)
+    ctx.save_for_backward(x)
+
+
+def _fake_quant_grad_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    """The straight-through map is linear in ``grad`` and symmetric (a mask, or a mask between a
+    rotation and its inverse), and piecewise constant in ``x``: double backward applies it again."""
+    (x,) = ctx.saved_tensors
+    return None, None, None, None, None, torch.ops.kvq.fake_quant_grad(*ctx.call, x, grad)
+
+
+fake_quant.register_autograd(_fake_quant_backward, setup_context=_fake_quant_setup)
+fake_quant_grad.register_autograd(_fake_quant_grad_backward, setup_context=_fake_quant_grad_setup)
+OPS["fake_quant"] = fake_quant
+OPS["fake_quant_grad"] = fake_quant_grad
