@@ -4,14 +4,26 @@
    ``supports(spec, "cuda")`` a method, found by iterating the registry (a new GPU backend is
    picked up without edits; ``--skip`` names backends to leave out, by default the inductor
    one, whose CUDA compiles alone would take the budget).
-2. **Encode throughput** (keys + values, through the public Quantizer) per GPU backend and method.
+2. **Encode throughput** (keys + values, through the public Quantizer) per GPU backend and method:
+   Triton's kernels and numba's CUDA kernels side by side (numba takes float16 input: numba-cuda
+   has no bfloat16 arrays).
 3. **Attend vs SDPA**: each GPU backend's fused attention over the packed cache against torch
    SDPA over bfloat16 K/V (flash), at 4k/32k/128k tokens, batch 1 and 16, 8 KV heads x 128,
-   GQA 4, one query token; both timed as CUDA graphs (no Python overhead) and eagerly. Prints
-   SDPA time / kvq time and whether OScaR INT2 reaches >= 3x at 128k tokens, batch 1.
+   GQA 4, one query token; timed as CUDA graphs (no Python overhead; not numba, which launches
+   on its own stream) and eagerly. The goal shape (OScaR INT2 >= 3x at 128k tokens, batch 1)
+   runs first.
+4. **Paged decode** (only when ``torch.ops.kvq.attend_paged`` exists): ``kvq::attend_paged`` per
+   backend with a paged kernel of its own (and the torch fallback), batch 16 and 64 of mixed
+   context lengths, pages of 16 and 32 tokens, against SDPA over the batch padded to its longest
+   context (bf16, flash; a lower bound of a dense engine's cost, which would also mask).
 
-Budget: ``--budget`` seconds (default 400) for this script; sections that would overrun print
-SKIPPED. Exit status 1 when a conformance check fails.
+Ends with one summary table of ratios (reference time / kvq time; numba vs Triton: Triton time /
+numba time) and the list of what the budget skipped.
+
+Budget: ``--budget`` seconds (default 400) for this script, split between the sections
+(conformance stops at 40 % of it; the paged step keeps 25 % when it runs); an item that would
+overrun prints SKIPPED and is listed at the end. Exit status 1 when a conformance check or a timed item fails.
+The real run never uses Triton's interpreter (``TRITON_INTERPRET`` is removed before import).
 
 ``--dry-run``: Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set here before kvq is
 imported), tiny shapes, one drawn example per method. CI runs it to prove the script works.
@@ -30,6 +42,16 @@ from typing import Any
 
 GOAL = ("oscar", 131072, 1, 3.0)  # method, tokens, batch, minimum SDPA/kvq ratio
 METHODS = {"oscar": {"bits": 2}, "kivi": {"bits": 2}, "turboquant": {"bits": 2}, "octopus": {"bits": 2}}
+#: the order GPU backends are served in (the budget may not reach the last); others after, torch last
+PRIORITY = ("triton", "numba")
+#: input dtype per backend where it differs from bfloat16 (numba-cuda has no bfloat16 arrays: a
+#: bf16 CUDA tensor would go through the host)
+INPUT_DTYPE = {"numba": "float16"}
+#: backends whose kernels run on torch's current stream, so a CUDA graph can capture them
+#: (numba launches on its own stream)
+NO_GRAPHS = {"numba"}
+#: the paged spec: OScaR INT2 with 16-token key groups (a page holds whole groups at 16 and 32)
+PAGED_SPEC = ("oscar", {"bits": 2, "key_group": 16})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +64,15 @@ class Plan:
     gqa: int
     reps: int
     examples: int
+    paged_batches: tuple[int, ...]
+    page_sizes: tuple[int, ...]
+    paged_lens: tuple[int, int]  # context lengths drawn in [lo, hi] (multiples of 16)
 
 
-FULL = Plan("cuda", (4096, 32768, 131072), (1, 16), 8, 128, 4, reps=20, examples=5)
-DRY = Plan("cpu", (80,), (1, 2), 2, 64, 4, reps=1, examples=1)
+FULL = Plan("cuda", (4096, 32768, 131072), (1, 16), 8, 128, 4, reps=20, examples=5,
+            paged_batches=(16, 64), page_sizes=(16, 32), paged_lens=(256, 8192))
+DRY = Plan("cpu", (80,), (1, 2), 2, 64, 4, reps=1, examples=1,
+           paged_batches=(2,), page_sizes=(16,), paged_lens=(16, 48))
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -58,13 +85,39 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Clock:
-    """The script's time budget."""
+    """The script's time budget, and what it made the script skip."""
 
     def __init__(self, budget: float) -> None:
-        self.end = time.monotonic() + budget
+        self.budget = budget
+        self.start = time.monotonic()
+        self.end = self.start + budget
+        self.skipped: list[str] = []
 
     def left(self) -> float:
         return self.end - time.monotonic()
+
+    def used(self) -> float:
+        return time.monotonic() - self.start
+
+    def skip(self, what: str, why: str = "budget") -> None:
+        print(f"SKIPPED {what}: {why}", flush=True)
+        self.skipped.append(f"{what} ({why})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the summary: ``ref_s / kvq_s`` is the ratio (> 1: kvq faster)."""
+
+    section: str
+    backend: str
+    method: str
+    shape: str
+    kvq_s: float
+    ref_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ref_s / self.kvq_s if self.kvq_s else float("nan")
 
 
 def supports(backend: str, spec: Any, device: str) -> tuple[bool, str | None]:
@@ -100,8 +153,12 @@ def gpu_backends(plan: Plan, only: list[str] | None, skip: list[str]) -> dict[st
                 print(f"backend {name}: {method} not served on {plan.device}: {why}")
         if methods:
             found[name] = methods
-    # GPU-first backends before the eager torch one, so the budget serves them first
-    return dict(sorted(found.items(), key=lambda item: (item[0] == "torch", item[0])))
+
+    def rank(item: tuple[str, list[str]]) -> tuple[int, str]:
+        name = item[0]
+        return (PRIORITY.index(name) if name in PRIORITY else len(PRIORITY) + (name == "torch"), name)
+
+    return dict(sorted(found.items(), key=rank))
 
 
 def served_params(backend: str, method: str, device: str) -> dict[str, tuple]:
@@ -120,8 +177,8 @@ def served_params(backend: str, method: str, device: str) -> dict[str, tuple]:
     return params
 
 
-def conformance(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserve: float) -> list[str]:
-    """Runs the suite per (backend, method); returns the failures."""
+def conformance(plan: Plan, backends: dict[str, list[str]], clock: Clock) -> list[str]:
+    """Runs the suite per (backend, method) until 40 % of the budget is used; returns the failures."""
     import numpy as np
     import torch
 
@@ -131,11 +188,11 @@ def conformance(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserv
         return torch.from_numpy(np.ascontiguousarray(a)).to(plan.device)
 
     failures = []
-    print("\n== conformance against the NumPy reference on", plan.device)
+    print("\n== 1. conformance against the NumPy reference on", plan.device)
     for backend, methods in backends.items():
         for method in methods:
-            if clock.left() < reserve:
-                print(f"SKIPPED {backend}/{method}: budget")
+            if clock.used() > 0.4 * clock.budget:
+                clock.skip(f"conformance {backend}/{method}")
                 continue
             start = time.monotonic()
             try:
@@ -206,8 +263,12 @@ def best(*times: float | None) -> float | None:
     return min(known) if known else None
 
 
+def _us(t: float | None) -> str:
+    return f"{t * 1e6:10.1f}" if t is not None else "         -"
+
+
 # --------------------------------------------------------------------------------------------
-# benchmarks
+# 2-3. encode and attend
 # --------------------------------------------------------------------------------------------
 def _inputs(plan: Plan, batch: int, tokens: int, seed: int = 0):
     import torch
@@ -245,64 +306,196 @@ def sdpa_times(q, k, v, plan: Plan) -> tuple[float | None, float | None]:
     return out[0], out[1]
 
 
-def _us(t: float | None) -> str:
-    return f"{t * 1e6:10.1f}" if t is not None else "         -"
+def label(tokens: int, batch: int) -> str:
+    """``"128k b1"``: a timed shape in the summary."""
+    return f"{tokens // 1024}k b{batch}" if tokens >= 1024 else f"{tokens} b{batch}"
 
 
-def benchmarks(plan: Plan, backends: dict[str, list[str]], clock: Clock) -> dict[tuple, float]:
-    """Encode throughput and attend vs SDPA; returns ratios keyed (backend, method, tokens, batch)."""
+def shapes(plan: Plan) -> list[tuple[int, int]]:
+    """(tokens, batch) in the order timed: the goal's first, then by size."""
+    method, tokens, batch, _ = GOAL
+    all_ = sorted(((t, b) for t in plan.tokens for b in plan.batches), key=lambda s: (s[0] * s[1], s))
+    goal = (tokens, batch) if (tokens, batch) in all_ else None
+    return ([goal] if goal else []) + [s for s in all_ if s != goal]
+
+
+def benchmarks(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserve: float,
+               errors: list[str]) -> list[Row]:
+    """Encode throughput and attend vs SDPA while more than ``reserve`` seconds are left; a failing
+    item is printed and added to ``errors``."""
     import torch
 
     from kvq_core import registry
     from kvq_core.api import Quantizer
     from kvq_core.kernels import KernelContext
 
-    ratios: dict[tuple, float] = {}
-    print(f"\n== encode and attend: {plan.kv_heads} KV heads x {plan.head_dim}, GQA {plan.gqa}, bf16 input, "
-          f"times per call in microseconds")
+    rows: list[Row] = []
+    print(f"\n== 2-3. encode and attend: {plan.kv_heads} KV heads x {plan.head_dim}, GQA {plan.gqa}, bf16 input "
+          f"(numba: float16), times per call in microseconds")
     print(f"{'backend':>10} {'method':<11} {'batch':>5} {'tokens':>7} {'encode_us':>10} {'enc_Mtok/s':>10} "
           f"{'attend_us':>10} {'eager_us':>10} {'sdpa_gqa':>10} {'sdpa_fold':>10} {'sdpa/kvq':>8}")
-    for tokens in plan.tokens:
-        for batch in plan.batches:
-            if clock.left() < 20:
-                print(f"SKIPPED tokens={tokens} batch={batch}: budget")
+    for tokens, batch in shapes(plan):
+        if clock.left() < reserve + 20:
+            clock.skip(f"attend tokens={tokens} batch={batch}")
+            continue
+        q, k, v = _inputs(plan, batch, tokens)
+        sdpa_gqa, sdpa_fold = sdpa_times(q, k, v, plan)
+        sdpa = best(sdpa_gqa, sdpa_fold)
+        for backend, methods in backends.items():
+            dtype = getattr(torch, INPUT_DTYPE.get(backend, "bfloat16"))
+            qb, kb, vb = (x.to(dtype) for x in (q, k, v))
+            for method in methods:
+                if method not in METHODS:
+                    continue
+                if clock.left() < reserve + 15:
+                    clock.skip(f"attend {backend}/{method} tokens={tokens} batch={batch}")
+                    continue
+                try:
+                    spec = registry.make_spec(method, head_dim=plan.head_dim, **METHODS[method])
+                    quant = Quantizer(spec, backend)
+                    reps = max(1, plan.reps // 5)
+                    enc = eager_time(lambda: (quant.encode_keys(kb), quant.encode_values(vb)), reps, plan.device)
+                    pk, pv = quant.encode_keys(kb), quant.encode_values(vb)
+                    ctx = KernelContext(spec, 0, pk.shape, spec.constants(plan.kv_heads, 0))
+                    scale = plan.head_dim ** -0.5
+
+                    def attend() -> Any:
+                        return quant.kernels.attend(qb, pk.fields, pv.fields, ctx, scale)
+
+                    graph = None if backend in NO_GRAPHS else graph_time(attend, plan.reps, plan.device)
+                    eager = eager_time(lambda: quant.attend(qb, pk, pv), plan.reps, plan.device)
+                    kvq = best(graph, eager)
+                    ratio = sdpa / kvq if sdpa and kvq else float("nan")
+                    if sdpa and kvq:
+                        rows.append(Row("attend vs SDPA", backend, method, label(tokens, batch), kvq, sdpa))
+                    rate = batch * tokens / enc / 1e6
+                    print(f"{backend:>10} {method:<11} {batch:>5} {tokens:>7} {_us(enc)} {rate:10.2f} "
+                          f"{_us(graph)} {_us(eager)} {_us(sdpa_gqa)} {_us(sdpa_fold)} {ratio:8.2f}", flush=True)
+                    del pk, pv
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(f"bench {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}")
+                    print(f"FAIL bench {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}: "
+                          f"{str(exc)[:300]}", flush=True)
+                    traceback.print_exc(limit=3)
+            del qb, kb, vb
+        del q, k, v
+        if plan.device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def numba_vs_triton(rows: list[Row]) -> list[Row]:
+    """Triton time / numba time per (method, shape) both timed (> 1: numba faster)."""
+    times = {(r.backend, r.method, r.shape): r.kvq_s for r in rows}
+    return [Row("numba vs triton", "numba", method, shape, t, times[("triton", method, shape)])
+            for (backend, method, shape), t in times.items()
+            if backend == "numba" and ("triton", method, shape) in times]
+
+
+# --------------------------------------------------------------------------------------------
+# 4. paged decode (the serving issue's kvq::attend_paged)
+# --------------------------------------------------------------------------------------------
+def paged_op() -> Any:
+    """``torch.ops.kvq.attend_paged`` when this checkout has it (and its test cases), else None."""
+    import torch
+
+    try:
+        import kvq_core.dispatch.ops  # noqa: F401 - defines the kvq:: ops
+        import kvq_core.testing.paged  # noqa: F401 - paged_case
+    except ImportError:
+        return None
+    return getattr(torch.ops.kvq, "attend_paged", None)
+
+
+def paged_backends(spec: Any, backends: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """(backend, label) timed: every GPU backend with a paged kernel of its own for the spec, and
+    the torch fallback (the kernel table serves a backend without one by it)."""
+    from kvq_core.dispatch import table
+
+    fallback = type(table.paged_kernel(table.PAGED_FALLBACK, spec.to_json()))
+    out = [(b, b) for b in backends if b != table.PAGED_FALLBACK and _paged_impl(table, b, spec) not in (None, fallback)]
+    return [*out, (table.PAGED_FALLBACK, f"{table.PAGED_FALLBACK} (fallback)")]
+
+
+def _paged_impl(table: Any, backend: str, spec: Any) -> type | None:
+    """The class of ``backend``'s paged kernel for the spec (the fallback's when it has none)."""
+    try:
+        return type(table.paged_kernel(backend, spec.to_json()))
+    except Exception:  # noqa: BLE001 - no paged kernel at all
+        return None
+
+
+def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, errors: list[str]) -> list[Row]:
+    """``kvq::attend_paged`` decode steps (one query token per request) vs SDPA on the padded batch;
+    a failing item is printed and added to ``errors``."""
+    import numpy as np
+    import torch
+
+    from kvq_core import registry
+    from kvq_core.api import Quantizer
+    from kvq_core.testing.paged import paged_case
+
+    method, params = PAGED_SPEC
+    spec = registry.make_spec(method, head_dim=plan.head_dim, **params)
+    timed = paged_backends(spec, backends)
+    rows: list[Row] = []
+    hk, hq, d = plan.kv_heads, plan.kv_heads * plan.gqa, plan.head_dim
+    print(f"\n== 4. paged decode: kvq::attend_paged, {method} {params}, {hk} KV heads x {d}, GQA {plan.gqa}, "
+          f"context lengths drawn in {list(plan.paged_lens)}; SDPA over the batch padded to its longest; "
+          f"microseconds per step")
+    print(f"{'backend':>18} {'batch':>5} {'page':>4} {'tokens':>8} {'max_len':>7} {'paged_us':>10} "
+          f"{'sdpa_pad':>10} {'sdpa/kvq':>8}")
+    encoder = Quantizer(spec, "torch")
+    for batch in plan.paged_batches:
+        for page in plan.page_sizes:
+            if clock.left() < 15:
+                clock.skip(f"paged batch={batch} page={page}")
                 continue
-            q, k, v = _inputs(plan, batch, tokens)
-            sdpa_gqa, sdpa_fold = sdpa_times(q, k, v, plan)
+            rng = np.random.default_rng(batch * 100 + page)
+            lo, hi = plan.paged_lens
+            lens = [int(n) for n in rng.integers(lo // 16, hi // 16 + 1, batch) * 16]
+            case = paged_case(encoder, block_size=page, kv_heads=hk, q_heads=hq, code_lens=lens, q_lens=[1] * batch,
+                              seed=batch + page, device=plan.device)
+            q, kpad, vpad = _inputs(plan, batch, max(lens), seed=1)
+            sdpa_gqa, sdpa_fold = sdpa_times(q, kpad, vpad, plan)
             sdpa = best(sdpa_gqa, sdpa_fold)
-            for backend, methods in backends.items():
-                for method in methods:
-                    if method not in METHODS or clock.left() < 15:
-                        continue
-                    try:
-                        spec = registry.make_spec(method, head_dim=plan.head_dim, **METHODS[method])
-                        quant = Quantizer(spec, backend)
-                        reps = max(1, plan.reps // 5)
-                        enc = eager_time(lambda: (quant.encode_keys(k), quant.encode_values(v)), reps, plan.device)
-                        pk, pv = quant.encode_keys(k), quant.encode_values(v)
-                        ctx = KernelContext(spec, 0, pk.shape, spec.constants(plan.kv_heads, 0))
-                        scale = plan.head_dim ** -0.5
+            del kpad, vpad
+            for backend, label in timed:
+                if clock.left() < 10:
+                    clock.skip(f"paged {label} batch={batch} page={page}")
+                    continue
+                try:
+                    def step(backend=backend) -> Any:
+                        return op(backend, spec.to_json(), 0, *case.args(), d ** -0.5, None, None, None, None)
 
-                        def attend() -> Any:
-                            return quant.kernels.attend(q, pk.fields, pv.fields, ctx, scale)
-
-                        graph = graph_time(attend, plan.reps, plan.device)
-                        eager = eager_time(lambda: quant.attend(q, pk, pv), plan.reps, plan.device)
-                        kvq = best(graph, eager)
-                        ratio = sdpa / kvq if sdpa and kvq else float("nan")
-                        ratios[(backend, method, tokens, batch)] = ratio
-                        rate = batch * tokens / enc / 1e6
-                        print(f"{backend:>10} {method:<11} {batch:>5} {tokens:>7} {_us(enc)} {rate:10.2f} "
-                              f"{_us(graph)} {_us(eager)} {_us(sdpa_gqa)} {_us(sdpa_fold)} {ratio:8.2f}", flush=True)
-                        del pk, pv
-                    except Exception as exc:  # noqa: BLE001
-                        print(f"FAIL bench {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}: "
-                              f"{str(exc)[:300]}", flush=True)
-                        traceback.print_exc(limit=3)
-            del q, k, v
+                    t = best(None if backend in NO_GRAPHS else graph_time(step, plan.reps, plan.device),
+                             eager_time(step, plan.reps, plan.device))
+                    ratio = sdpa / t if sdpa and t else float("nan")
+                    if sdpa and t:
+                        rows.append(Row("paged decode", label, method, f"b{batch} p{page} mixed", t, sdpa))
+                    print(f"{label:>18} {batch:>5} {page:>4} {sum(lens):>8} {max(lens):>7} {_us(t)} {_us(sdpa)} "
+                          f"{ratio:8.2f}", flush=True)
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(f"paged {label} batch={batch} page={page}: {type(exc).__name__}")
+                    print(f"FAIL paged {label} batch={batch} page={page}: {type(exc).__name__}: {str(exc)[:300]}",
+                          flush=True)
+                    traceback.print_exc(limit=3)
+            del case
             if plan.device == "cuda":
                 torch.cuda.empty_cache()
-    return ratios
+    return rows
+
+
+def summary(rows: list[Row], clock: Clock) -> None:
+    """The one table of ratios, then what the budget skipped."""
+    print("\n== summary: reference time / kvq time (> 1: kvq faster; numba vs triton: triton time / numba time)")
+    print(f"{'section':<16} {'backend':<18} {'method':<11} {'shape':<14} {'kvq_us':>10} {'ref_us':>10} {'ratio':>7}")
+    for r in rows:
+        print(f"{r.section:<16} {r.backend:<18} {r.method:<11} {r.shape:<14} {_us(r.kvq_s)} {_us(r.ref_s)} "
+              f"{r.ratio:7.2f}")
+    if not rows:
+        print("(nothing timed)")
+    print(f"\nskipped by the budget: {len(clock.skipped)}" + "".join(f"\n  {s}" for s in clock.skipped))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     else:
-        os.environ.pop("TRITON_INTERPRET", None)
+        os.environ.pop("TRITON_INTERPRET", None)  # the real run compiles every kernel
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     plan = DRY if args.dry_run else FULL
     clock = Clock(args.budget)
@@ -332,25 +525,38 @@ def main(argv: list[str] | None = None) -> int:
 
     backends = gpu_backends(plan, args.backends, args.skip)
     print("GPU backends and methods:", {b: m for b, m in backends.items()} or "none")
-    failures = conformance(plan, backends, clock, reserve=args.budget * 0.45)
-    ratios = benchmarks(plan, backends, clock)
+    op = paged_op()
+    print("paged decode step:", "kvq::attend_paged found" if op is not None else
+          "skipped (no torch.ops.kvq.attend_paged in this checkout)")
+    failures = conformance(plan, backends, clock)
+    reserve = 0.25 * clock.budget if op is not None else 0.0
+    errors: list[str] = []
+    rows = benchmarks(plan, backends, clock, reserve, errors)
+    rows += numba_vs_triton(rows)
+    if op is not None:
+        rows += paged(plan, backends, clock, op, errors)
 
     method, tokens, batch, want = GOAL
     if args.dry_run:
         tokens = plan.tokens[-1]
-    got = ratios.get(("triton", method, tokens, batch))
+    got = next((r.ratio for r in rows if r.section == "attend vs SDPA" and r.backend == "triton"
+                and r.method == method and r.shape == label(tokens, batch)), None)
+    summary(rows, clock)
     if got is not None:
         verdict = "PASS" if got >= want else "MISS"
         note = " (dry run: shapes differ, not meaningful)" if args.dry_run else ""
         print(f"\nGOAL {method} INT2 attend >= {want:g}x SDPA bf16 at {tokens} tokens, batch {batch}: "
               f"{got:.2f}x {verdict}{note}")
-    elif not args.dry_run:
-        print(f"\nGOAL {method} at {tokens} tokens, batch {batch}: not measured")
+    else:
+        print(f"\nGOAL {method} INT2 attend at {tokens} tokens, batch {batch}: not measured")
     print(f"\nconformance failures: {len(failures)}")
     for f in failures:
         print("  " + f[:500])
     print(f"time left in the budget: {clock.left():.0f}s")
-    return 1 if failures else 0
+    print(f"timing failures: {len(errors)}")
+    for e in errors:
+        print("  " + e)
+    return 1 if failures or errors else 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The user-facing API: ``get_quantizer`` and the :class:`Quantizer` it returns."""
 from __future__ import annotations
 
-import math
 import os
+import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvq_core import registry
 from kvq_core.constants import LazyConstants
@@ -12,7 +12,24 @@ from kvq_core.errors import BackendUnavailableError, InputError, SpecError
 from kvq_core.kernels import KernelContext
 from kvq_core.layout import PackedKV, bits_per_element
 from kvq_core.spec import MethodSpec
-from kvq_core.validate import check_kv, check_packed, check_query, check_stored_finite, dtype_name
+from kvq_core.validate import (
+    check_attention_finite,
+    check_kv,
+    check_layer,
+    check_packed,
+    check_query,
+    check_scale,
+    check_stored_finite,
+    dtype_name,
+)
+
+
+class _Bound(NamedTuple):
+    """A quantizer's spec and the kernels built for it: swapped whole, so a thread reads a
+    consistent pair while another binds the head_dim."""
+
+    spec: MethodSpec
+    kernels: Any
 
 
 class Quantizer:
@@ -22,6 +39,9 @@ class Quantizer:
     head_dim]`` with GQA when q_heads is a multiple of kv_heads. ``kv_heads`` is bound by the
     first block the quantizer sees (or given), so a later block with other heads, e.g. one
     transposed to ``[batch, tokens, kv_heads, head_dim]``, is an :class:`InputError`.
+ Every packed block handed in is
+    validated once against the spec (:meth:`PackedKV.validate`) before a kernel reads it, and
+    must record this quantizer's layer unless the call passes ``layer=`` (then that layer's).
     """
 
     def __init__(self, spec: MethodSpec, backend: str, layer: int = 0, *, bind_head_dim: bool = False,
@@ -49,36 +69,63 @@ class Quantizer:
         self.arrays = registry.backend_info(backend).arrays
         self._factory = factory
         self._check_supports = registry.backend_info(backend).supports is not None
-        self._bind_pending = bind_head_dim
-        self._set_spec(spec)
+        self._device_of = getattr(self.arrays, "device_of", None)
+        self._bind_lock = threading.Lock()
+        self._devices: frozenset[str | None] = frozenset()
+        self._bound = _Bound(spec, factory(spec))
+        self._bind_pending = bind_head_dim  # set last: the pair above is in place before anyone binds
 
-    def _set_spec(self, spec: MethodSpec) -> None:
-        self.spec = spec
-        self.kernels = self._factory(spec)
-        self._devices: set[str | None] = set()
+    @property
+    def spec(self) -> MethodSpec:
+        return self._bound.spec
 
-    def _bind(self, head_dim: Any) -> None:
-        """Bind a defaulted head_dim to the first block's (once)."""
-        self._bind_pending = False
-        if isinstance(head_dim, int) and head_dim != self.spec.head_dim:
-            try:
-                self._set_spec(self.spec.replace(head_dim=head_dim))
-            except SpecError as exc:
-                raise InputError(f"the first block has head_dim {head_dim}, which {self.spec.method} cannot take: "
-                                 f"{exc.expected}") from None
+    @property
+    def kernels(self) -> Any:
+        return self._bound.kernels
 
-    def _device_ok(self, x: Any) -> None:
+    def _state(self, head_dim: Any) -> _Bound:
+        """The (spec, kernels) pair a call with blocks of ``head_dim`` uses: the bound one, or
+        while the head_dim is unbound a candidate for ``head_dim`` (kept only by :meth:`_keep`)."""
+        bound = self._bound
+        if not self._bind_pending or not isinstance(head_dim, int) or head_dim == bound.spec.head_dim:
+            return bound
+        try:
+            spec = bound.spec.replace(head_dim=head_dim)
+        except SpecError as exc:
+            raise InputError(f"the first block has head_dim {head_dim}, which {bound.spec.method} cannot take: "
+                             f"{exc.expected}") from None
+        return _Bound(spec, self._factory(spec))
+
+    def _keep(self, state: _Bound) -> None:
+        """After a call succeeded with ``state``: bind it if the head_dim is still unbound (under a
+        lock; the first call to finish binds, a concurrent one of another head_dim then fails)."""
+        if not self._bind_pending:
+            if state is not self._bound and state.spec != self._bound.spec:
+                raise InputError(f"head_dim {state.spec.head_dim} does not match the head_dim={self._bound.spec.head_dim} "
+                                 "bound by this quantizer's first block")
+            return
+        with self._bind_lock:
+            if self._bind_pending:
+                if state.spec != self._bound.spec:
+                    self._bound = state
+                self._devices = frozenset()
+                self._bind_pending = False
+            elif state.spec != self._bound.spec:
+                raise InputError(f"head_dim {state.spec.head_dim} does not match the head_dim={self._bound.spec.head_dim} "
+                                 "bound by this quantizer's first block")
+
+    def _device_ok(self, state: _Bound, x: Any) -> None:
         """Ask the backend's ``supports(spec, device)`` once per device; raise with its reason."""
         if not self._check_supports:
             return
-        device_of = getattr(self.arrays, "device_of", None)
-        device = device_of(x) if device_of else None
-        if device in self._devices:
+        device = self._device_of(x) if self._device_of is not None else None
+        if device in self._devices and state is self._bound:
             return
-        ok, reason = registry.supports(self.backend, self.spec, device)
+        ok, reason = registry.supports(self.backend, state.spec, device)
         if not ok:
-            raise BackendUnavailableError(f"{reason}{registry.alternatives(self.spec, device)}")
-        self._devices.add(device)
+            raise BackendUnavailableError(f"{reason}{registry.alternatives(state.spec, device)}")
+        if state is self._bound:
+            self._devices = self._devices | {device}  # a new set, never mutated: safe to read unlocked
 
     def _heads(self, shape: Any, what: str) -> Any:
         """The block's KV heads, checked against the bound ``kv_heads``: a block with others, e.g.
@@ -102,80 +149,131 @@ class Quantizer:
         heads = "" if self.kv_heads is None else f", kv_heads={self.kv_heads}"
         return f"Quantizer({self.spec.describe()}, backend={self.backend!r}, layer={self.layer}{heads})"
 
-    def _ctx(self, shape: tuple[int, int, int, int]) -> KernelContext:
-        return KernelContext(self.spec, self.layer, shape, LazyConstants(self.spec, shape[1], self.layer))
+    @staticmethod
+    def _ctx(state: _Bound, shape: tuple[int, int, int, int], layer: int) -> KernelContext:
+        return KernelContext(state.spec, layer, shape, LazyConstants(state.spec, shape[1], layer))
 
-    def _pack(self, kind: str, x: Any) -> PackedKV:
+    def _pack(self, kind: str, x: Any, layer: int | None) -> PackedKV:
+        layer = check_layer(layer, self.layer)
         shape = getattr(x, "shape", None)
-        if self._bind_pending and shape is not None and len(shape) == 4:
-            self._bind(shape[3])
-        encode = self.kernels.encode_keys if kind == "keys" else self.kernels.encode_values
-        shape = check_kv(x, self.spec, self.arrays, kind)
+        state = self._state(shape[3] if shape is not None and len(shape) == 4 else None)
+        encode = state.kernels.encode_keys if kind == "keys" else state.kernels.encode_values
+        shape = check_kv(x, state.spec, self.arrays, kind)
         heads = self._heads(shape, kind)
-        self._device_ok(x)
-        fields = encode(self.arrays.asarray(x), self._ctx(shape))
-        packed = PackedKV(self.spec, kind, shape, fields, self.layer, dtype_name(x))  # type: ignore[arg-type]
-        packed.validate()
+        self._device_ok(state, x)
+        fields = encode(self.arrays.asarray(x), self._ctx(state, shape, layer))
+        packed = PackedKV(state.spec, kind, shape, fields, layer, dtype_name(x))  # type: ignore[arg-type]
+        packed.check_structure()
         check_stored_finite(packed, x, self.arrays, kind)
+        packed.mark_checked()  # its fields are the kernel's, just checked: validated once
+        self._keep(state)
         self._bind_heads(heads)
         return packed
 
-    def _packed(self, p: Any, kind: str) -> PackedKV:
-        if self._bind_pending and isinstance(p, PackedKV) and type(p.spec) is type(self.spec):
-            if self.spec.replace(head_dim=p.spec.head_dim) == p.spec:
-                self._bind(p.spec.head_dim)
-        p = check_packed(p, self.spec, kind)
+    def _packed(self, p: Any, kind: str, layer: int | None) -> tuple[_Bound, PackedKV, int]:
+        layer = check_layer(layer, self.layer)
+        state = self._bound
+        if self._bind_pending and isinstance(p, PackedKV) and type(p.spec) is type(state.spec) \
+                and isinstance(p.spec.head_dim, int) and p.spec.head_dim != state.spec.head_dim:
+            if state.spec.replace(head_dim=p.spec.head_dim) == p.spec:
+                state = self._state(p.spec.head_dim)
+        p = check_packed(p, state.spec, kind, layer, self.arrays)
         self._bind_heads(self._heads(p.shape, f"packed {kind}"))
-        return p
+        return state, p, layer
 
-    def _unpack(self, p: Any, kind: str) -> Any:
-        p = self._packed(p, kind)
+    def _unpack(self, p: Any, kind: str, layer: int | None) -> Any:
+        state, p, layer = self._packed(p, kind, layer)
         fields = {k: self.arrays.asarray(v) for k, v in p.fields.items()}
-        self._device_ok(next(iter(fields.values())))
-        decode = self.kernels.decode_keys if kind == "keys" else self.kernels.decode_values
-        return self.arrays.cast(decode(fields, self._ctx(p.shape)), p.dtype)
+        self._device_ok(state, next(iter(fields.values())))
+        decode = state.kernels.decode_keys if kind == "keys" else state.kernels.decode_values
+        out = self.arrays.cast(decode(fields, self._ctx(state, p.shape, layer)), p.dtype)
+        self._keep(state)
+        return out
 
-    def encode_keys(self, k: Any) -> PackedKV:
-        return self._pack("keys", k)
+    def encode_keys(self, k: Any, *, layer: int | None = None) -> PackedKV:
+        """Pack keys ``[batch, kv_heads, tokens, head_dim]`` (``layer``: default the quantizer's)."""
+        return self._pack("keys", k, layer)
 
-    def decode_keys(self, pk: PackedKV) -> Any:
-        return self._unpack(pk, "keys")
+    def decode_keys(self, pk: PackedKV, *, layer: int | None = None) -> Any:
+        """Keys from a packed block recording ``layer`` (default the quantizer's), in its dtype."""
+        return self._unpack(pk, "keys", layer)
 
-    def encode_values(self, v: Any) -> PackedKV:
-        return self._pack("values", v)
+    def encode_values(self, v: Any, *, layer: int | None = None) -> PackedKV:
+        return self._pack("values", v, layer)
 
-    def decode_values(self, pv: PackedKV) -> Any:
-        return self._unpack(pv, "values")
+    def decode_values(self, pv: PackedKV, *, layer: int | None = None) -> Any:
+        return self._unpack(pv, "values", layer)
 
-    def attend(self, q: Any, pk: PackedKV, pv: PackedKV, scale: float | None = None, return_lse: bool = False) -> Any:
+    def fake_quant(self, x: Any, kind: str) -> Any:
+        """``decode(encode(x))`` in x's shape and dtype: what attention reads back from a cache
+        storing ``x`` as ``kind`` ("keys" or "values"), for quantization-aware training.
+
+        On the torch-tensor backends (torch, torch-compiled, triton) this is one ``kvq::fake_quant``
+        op with a straight-through gradient (identity, zero where the codec clips:
+        :mod:`kvq_core.training`), traceable by ``torch.compile(fullgraph=True)``. Other backends
+        compose encode and decode and have no gradient (a tensor that requires grad is refused).
+        Eager calls reject non-finite input, and input whose stored fields overflow (a float16
+        scale past 65504: the output would not be finite); the underflow check of ``encode_*``
+        is not made.
+        """
+        if kind not in ("keys", "values"):
+            raise InputError(f"kind={kind!r}; expected 'keys' or 'values'")
+        shape = getattr(x, "shape", None)
+        state = self._state(shape[3] if shape is not None and len(shape) == 4 else None)
+        shape = check_kv(x, state.spec, self.arrays, kind)
+        self._device_ok(state, x)
+        ctx = self._ctx(state, shape, self.layer)
+        fused = getattr(state.kernels, "fake_quant", None)
+        if fused is not None:
+            out = fused(kind, self.arrays.asarray(x), ctx)
+        elif getattr(x, "requires_grad", False):
+            raise BackendUnavailableError(
+                f"backend {self.backend!r} has no differentiable fake_quant ({kind} require grad); use a torch-tensor "
+                "backend: 'torch', 'torch-compiled' or 'triton'")
+        else:
+            encode = state.kernels.encode_keys if kind == "keys" else state.kernels.encode_values
+            decode = state.kernels.decode_keys if kind == "keys" else state.kernels.decode_values
+            out = self.arrays.cast(decode(encode(self.arrays.asarray(x), ctx), ctx), dtype_name(x))
+        if not self.arrays.all_finite(out):
+            raise InputError(f"{kind}: {state.spec.method}'s stored fields overflow for this input (float16 holds up to "
+                             "65504), so it decodes to non-finite values; scale the input down, or use the method's "
+                             "float32 storage option where it has one")
+        self._keep(state)
+        return out
+
+    def attend(self, q: Any, pk: PackedKV, pv: PackedKV, scale: float | None = None, return_lse: bool = False,
+               *, layer: int | None = None) -> Any:
         """Softmax attention of ``q`` over the packed cache, scoring from the codes.
 
         Equals softmax attention over the decoded K/V within float tolerance. ``scale``
-        defaults to 1/sqrt(head_dim). With ``return_lse`` also returns the log-sum-exp of the
-        scaled logits per query row, for merging with attention over other tokens.
+        defaults to 1/sqrt(head_dim); a scale outside float32's normal range, or one whose
+        scaled logits overflow float32 (a non-finite log-sum-exp), is an InputError. With
+        ``return_lse`` also returns the log-sum-exp of the scaled logits per query row, for
+        merging with attention over other tokens. ``layer``: the layer the blocks record
+        (default the quantizer's).
         """
-        pk = self._packed(pk, "keys")
-        pv = self._packed(pv, "values")
+        state, pk, layer = self._packed(pk, "keys", layer)
+        _, pv, _ = self._packed(pv, "values", layer)
         try:
             check_query(q, pk, pv, self.arrays)
         except InputError as exc:
             raise InputError(f"{exc}{_transposed_hint(q, pk)}") from None
-        self._device_ok(q)
-        if scale is None:
-            scale = 1.0 / math.sqrt(self.spec.head_dim)
-        elif not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise InputError(f"scale={scale!r}; expected a finite number > 0")
-        kf = {k: self.arrays.asarray(v) for k, v in pk.fields.items()}
-        vf = {k: self.arrays.asarray(v) for k, v in pv.fields.items()}
-        out, lse = self.kernels.attend(self.arrays.asarray(q), kf, vf, self._ctx(pk.shape), float(scale))
+        self._device_ok(state, q)
+        scale = check_scale(scale, state.spec.head_dim)
+        asarray = self.arrays.asarray
+        kf = {k: asarray(v) for k, v in pk.fields.items()}
+        vf = {k: asarray(v) for k, v in pv.fields.items()}
+        out, lse = state.kernels.attend(asarray(q), kf, vf, self._ctx(state, pk.shape, layer), scale)
+        check_attention_finite(lse, self.arrays, scale)
         out = self.arrays.cast(out, dtype_name(q))
+        self._keep(state)
         return (out, lse) if return_lse else out
 
     def bits_per_element(self, packed: PackedKV | Sequence[PackedKV]) -> float:
         """Every stored bit (codes, norms, scales, zero-points, padding) over original elements."""
         blocks = [packed] if isinstance(packed, PackedKV) else list(packed)
         for b in blocks:
-            check_packed(b, self.spec, b.kind if isinstance(b, PackedKV) else "keys")
+            check_packed(b, self.spec, getattr(b, "kind", "keys"), getattr(b, "layer", self.layer), self.arrays)
         return bits_per_element(*blocks)
 
 

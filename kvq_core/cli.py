@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("method")
     ip.add_argument("--json", action="store_true")
     sub.add_parser("demo", help="every method on embedded synthetic K/V (add --help for options)", add_help=False)
+    sub.add_parser("warmup", help="compile the kernels a model's cache needs, once (add --help for options)",
+                   add_help=False)
     for group, names in (("bench", ("fidelity", "speed", "decode")), ("eval", ("ppl", "niah")), ("export", ("onnx",))):
         gp = sub.add_parser(group, help=f"{group}: {', '.join(names)} (add --help after the name)")
         gp.add_argument("name", choices=names)
@@ -97,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvq_core.demo import main as demo_main
 
             return demo_main(argv[1:])
+        if argv[:1] == ["warmup"]:
+            from kvq_core.warmup import main as warmup_main
+
+            return warmup_main(argv[1:])
         if len(argv) >= 2 and tuple(argv[:2]) in FORWARDED:
             return importlib.import_module(FORWARDED[tuple(argv[:2])]).main(argv[2:])
         args = build_parser().parse_args(argv)

@@ -3,6 +3,11 @@
 ``constants(spec, kv_heads, layer)`` is the public accessor every backend uses: a cached,
 read-only dict of NumPy arrays from :meth:`MethodSpec.constants`. Kernels hold no constants
 of their own.
+
+Per-head constants (:data:`PER_HEAD`: rotation signs, Haar rotations, QJL sketches) are drawn per
+*global* kv head. A tensor-parallel rank holds a slice of the heads, ``kv_heads`` of them from
+``head_offset`` on; ``constants(spec, kv_heads, layer, head_offset)`` gives it those heads' rows,
+so its codes equal a single-rank engine's codes for the same heads.
 """
 from __future__ import annotations
 
@@ -11,13 +16,24 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from kvq_core.errors import SpecError
 from kvq_core.spec import MethodSpec
 
 
+# Constants whose leading axis is the kv head (every method names them so; tests/test_constants.py
+# checks that no other constant has a per-head axis).
+PER_HEAD = frozenset({"signs", "rotation", "sketch"})
+
+
 @functools.lru_cache(maxsize=256)
-def constants(spec: MethodSpec, kv_heads: int, layer: int) -> Mapping[str, np.ndarray]:
-    """The spec's constants for ``kv_heads`` heads of ``layer`` (cached; arrays read-only)."""
-    consts = spec.constants(int(kv_heads), int(layer))
+def constants(spec: MethodSpec, kv_heads: int, layer: int, head_offset: int = 0) -> Mapping[str, np.ndarray]:
+    """The spec's constants for ``kv_heads`` heads of ``layer`` starting at global head
+    ``head_offset`` (cached; arrays read-only)."""
+    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
+        raise SpecError(spec.method, "head_offset", head_offset, "an integer >= 0 (the first global kv head)")
+    consts = spec.constants(int(kv_heads) + head_offset, int(layer))
+    if head_offset:
+        consts = {name: arr[head_offset:].copy() if name in PER_HEAD else arr for name, arr in consts.items()}
     for arr in consts.values():
         arr.flags.writeable = False
     return consts
@@ -33,8 +49,8 @@ class LazyConstants(Mapping):
 
     __slots__ = ("_key", "_data")
 
-    def __init__(self, spec: MethodSpec, kv_heads: int, layer: int) -> None:
-        self._key = (spec, kv_heads, layer)
+    def __init__(self, spec: MethodSpec, kv_heads: int, layer: int, head_offset: int = 0) -> None:
+        self._key = (spec, kv_heads, layer, head_offset)
         self._data: Mapping[str, np.ndarray] | None = None
 
     def _get(self) -> Mapping[str, np.ndarray]:

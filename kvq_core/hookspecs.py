@@ -50,6 +50,8 @@ def kvq_select_backend(method: str, device: str | None, candidates: Sequence[str
     """Pick a backend name for ``backend="auto"``, or return None to let the next plugin choose.
 
     ``device`` is None for NumPy arrays, else a torch device string such as ``"cpu"`` or
-    ``"cuda:0"``; ``candidates`` are the available backends that implement ``method``.
+    ``"cuda:0"``; ``candidates`` are the backends that implement ``method`` and are not ruled
+    out yet: the registry checks the chosen one (available, kernels load, supports the spec on
+    the device) and, if it cannot serve, asks again without it.
     The NumPy reference answers last.
     """

@@ -79,6 +79,9 @@ class BackendInfo:
     missing package or device); ``supports(spec, device)`` the same per spec and device (head_dim,
     bit width, device type). Both are asked lazily.
 
+    ``arrays`` may be a ``"module:Attr"`` reference to the adapter (an instance or a class),
+    imported on first use, so registering the backend imports nothing heavy (e.g. torch).
+
     ``kernel_entry(method, factory)`` turns kernels that *another* plugin adds to this backend
     (hook ``kvq_register_kernels``) into an entry of this table, e.g. a torch-tensor backend
     routes them through its ``kvq::`` ops; None: the factory (or reference) is the entry as given.
@@ -86,7 +89,7 @@ class BackendInfo:
 
     name: str
     kernels: Mapping[str, Any]
-    arrays: "ArrayAdapter"
+    arrays: "ArrayAdapter | str"
     is_available: Callable[[], tuple[bool, str | None]] = _always_available
     summary: str = ""
     supports: Supports | None = None
@@ -145,6 +148,10 @@ class MethodKernels(Protocol):
     def attend(
         self, q: Any, kfields: dict[str, Any], vfields: dict[str, Any], ctx: KernelContext, scale: float
     ) -> tuple[Any, Any]: ...
+
+    # Optional: ``fake_quant(kind, x, ctx)`` returns ``decode(encode(x))`` in x's dtype in one
+    # differentiable call (the torch-tensor backends' ``kvq::fake_quant`` op); without it
+    # :meth:`kvq_core.Quantizer.fake_quant` composes the two kernels (no gradient).
 
 
 __all__ = ["ArrayAdapter", "BackendInfo", "Deferred", "KernelContext", "MethodInfo", "MethodKernels", "Supports", "resolve"]

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from kvq_core.errors import LayoutError
+from kvq_core.errors import InputError, KVQError, LayoutError
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvq_core.spec import MethodSpec
@@ -24,6 +25,8 @@ if TYPE_CHECKING:  # pragma: no cover
 Kind = Literal["keys", "values"]
 
 _FLOAT_DTYPES = ("float16", "float32")
+#: what a block's ``dtype`` (the dtype decoding returns) may name: the input dtypes kvq encodes
+BLOCK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +124,30 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _host_finite(x: Any) -> bool:
+    return host_all_finite(to_host(x))
+
+
+def _is_dim(s: Any) -> bool:
+    """An integer size: int or NumPy integer (not bool), or a symbolic size under torch.compile."""
+    return (isinstance(s, (int, np.integer)) and not isinstance(s, bool)) or type(s).__name__ == "SymInt"
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_layout(spec: "MethodSpec", kind: str, batch: int, kv_heads: int, tokens: int) -> Mapping[str, Field]:
+    make = spec.key_layout if kind == "keys" else spec.value_layout
+    return types.MappingProxyType(dict(make(batch, kv_heads, tokens)))
+
+
+def block_layout(spec: "MethodSpec", kind: str, batch: Any, kv_heads: Any, tokens: Any) -> Mapping[str, Field]:
+    """The layout of a ``kind`` block (read-only), cached per (spec, kind, batch, kv_heads, tokens)
+    for plain integer sizes (symbolic sizes under torch.compile are laid out afresh)."""
+    if type(batch) is int and type(kv_heads) is int and type(tokens) is int:
+        return _cached_layout(spec, kind, batch, kv_heads, tokens)
+    make = spec.key_layout if kind == "keys" else spec.value_layout
+    return dict(make(batch, kv_heads, tokens))
+
+
 _spec_resolver: "Callable[[Mapping[str, Any]], MethodSpec] | None" = None
 
 
@@ -147,11 +174,12 @@ class PackedKV:
     layer: int = 0
     dtype: str = "float32"
 
+    _checked: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
     @property
-    def layout(self) -> dict[str, Field]:
+    def layout(self) -> Mapping[str, Field]:
         b, h, t, _ = self.shape
-        make = self.spec.key_layout if self.kind == "keys" else self.spec.value_layout
-        return dict(make(b, h, t))
+        return block_layout(self.spec, self.kind, b, h, t)
 
     @property
     def num_elements(self) -> int:
@@ -169,21 +197,82 @@ class PackedKV:
         return (f"PackedKV({self.kind} {self.spec.describe()}, shape={list(self.shape)}, {self.dtype}, layer={self.layer}, "
                 f"{self.nbytes():,} bytes, {self.bits_per_element():.3f} bits/elt)")
 
-    def validate(self) -> None:
-        """Check every field exists with the layout's dtype and shape; raise LayoutError if not."""
+    def validate(self, all_finite: "Callable[[Any], bool] | None" = None) -> None:
+        """Check the block against its spec before any kernel reads it (a block is untrusted data):
+        kind, shape (four dims >= 1, head_dim the spec's), dtype name, layer (an int >= 0), every
+        field's full shape and dtype against the layout, and every stored float (norms, scales,
+        offsets) finite (``all_finite``: the backend adapter's test; default NumPy on the host).
+
+        Raises LayoutError for a structure that does not match, InputError for an empty block or
+        non-finite stored floats. Checked once per block: a block keeps the fields it was checked
+        with and skips the checks while they are the same objects (in-place writes into a field's
+        array after validation are not seen)."""
+        if self.is_validated():
+            return
+        self.check_structure()
+        check = all_finite if all_finite is not None else _host_finite
+        for name, f in self.layout.items():
+            if f.dtype in _FLOAT_DTYPES and not check(self.fields[name]):
+                raise InputError(f"{self.spec.method} {self.kind} field {name!r} holds NaN or Inf; a stored "
+                                 f"{f.dtype} {name} must be finite (a tampered or corrupted block)")
+        self.mark_checked()
+
+    def check_structure(self) -> None:
+        """The structural half of :meth:`validate` (everything but the stored values)."""
+        where = f"packed {getattr(self.spec, 'method', '?')} {self.kind}"
+        if not callable(getattr(self.spec, "key_layout", None)):
+            raise LayoutError(f"{where}: spec is a {type(self.spec).__name__}; expected a MethodSpec")
+        if self.kind not in ("keys", "values"):
+            raise LayoutError(f"{where}: kind={self.kind!r}; expected 'keys' or 'values'")
+        shape = self.shape
+        if not isinstance(shape, tuple) or len(shape) != 4 or not all(_is_dim(s) for s in shape):
+            raise LayoutError(f"{where}: shape={shape!r}; expected four integers [batch, kv_heads, tokens, head_dim]")
+        if min(shape) < 1:
+            raise InputError(f"{where}: shape {list(shape)} is empty; batch, kv_heads, tokens and head_dim must be >= 1")
+        if shape[3] != self.spec.head_dim:
+            raise LayoutError(f"{where}: shape {list(shape)} declares head_dim {shape[3]}; its spec has "
+                              f"head_dim={self.spec.head_dim}")
+        if self.dtype not in BLOCK_DTYPES:
+            raise LayoutError(f"{where}: dtype={self.dtype!r}; expected one of {', '.join(BLOCK_DTYPES)}")
+        layer = self.layer
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+            raise LayoutError(f"{where}: layer={layer!r}; expected an integer >= 0")
+        if not isinstance(self.fields, Mapping):
+            raise LayoutError(f"{where}: fields is a {type(self.fields).__name__}; expected a dict of arrays")
         layout = self.layout
         missing = sorted(set(layout) - set(self.fields))
-        extra = sorted(set(self.fields) - set(layout))
+        extra = sorted(map(str, set(self.fields) - set(layout)))
         if missing or extra:
             raise LayoutError(f"{self.spec.method} {self.kind}: missing fields {missing}, unexpected {extra}")
         for name, f in layout.items():
             arr = self.fields[name]
+            if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+                raise LayoutError(f"{self.spec.method} {self.kind} field {name!r}: got a {type(arr).__name__}; "
+                                  f"layout says an array {f.dtype}{list(f.shape)}")
             shape, dtype = tuple(arr.shape), dtype_name(arr.dtype)
             if shape != f.shape or dtype != f.dtype:
                 raise LayoutError(
                     f"{self.spec.method} {self.kind} field {name!r}: got {dtype}{list(shape)}, "
                     f"layout says {f.dtype}{list(f.shape)}"
                 )
+
+    def mark_checked(self) -> None:
+        """Record that the block as it is now passed :meth:`validate` (a quantizer calls this for
+        the blocks it makes, whose fields it has just checked)."""
+        self._checked = (self.spec, self.kind, self.shape, self.layer, self.dtype, tuple(self.fields.items()))
+
+    def is_validated(self) -> bool:
+        """True when the block, as it is now, has passed :meth:`validate`."""
+        return self._checked is not None and self._same_as_checked()
+
+    def _same_as_checked(self) -> bool:
+        spec, kind, shape, layer, dtype, fields = self._checked
+        if spec is not self.spec or kind != self.kind or shape != self.shape or layer != self.layer or dtype != self.dtype:
+            return False
+        if len(fields) != len(self.fields):
+            return False
+        current = self.fields
+        return all(current.get(name) is arr for name, arr in fields)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form: spec dict, metadata and NumPy arrays; any backend can rebuild from it."""
@@ -205,21 +294,43 @@ class PackedKV:
         """
         if _spec_resolver is None:
             raise LayoutError("no spec resolver installed; import kvq_core first")
-        spec_from_dict = _spec_resolver
+        if not isinstance(data, Mapping):
+            raise LayoutError(f"packed dict: got a {type(data).__name__}; expected a mapping from PackedKV.to_dict()")
+        missing = [k for k in ("spec", "kind", "shape", "fields") if k not in data]
+        if missing:
+            raise LayoutError(f"packed dict lacks {', '.join(map(repr, missing))}")
+        shape, fields = data["shape"], data["fields"]
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__") or len(shape) != 4 or not all(_is_dim(s) for s in shape):
+            raise LayoutError(f"packed dict: shape={shape!r}; expected four integers [batch, kv_heads, tokens, head_dim]")
+        if not isinstance(fields, Mapping) or not all(isinstance(k, str) for k in fields):
+            raise LayoutError(f"packed dict: fields is {type(fields).__name__}; expected a mapping from field names to arrays")
+        layer, dtype = data.get("layer", 0), data.get("dtype", "float32")
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise LayoutError(f"packed dict: layer={layer!r}; expected an integer >= 0")
+        if not isinstance(dtype, str):
+            raise LayoutError(f"packed dict: dtype={dtype!r}; expected one of {', '.join(BLOCK_DTYPES)}")
+        arrays = {}
+        for name, v in fields.items():
+            try:
+                arrays[name] = np.asarray(v)
+            except (TypeError, ValueError) as exc:  # ragged lists, objects NumPy cannot hold
+                raise LayoutError(f"packed dict: field {name!r} is not an array ({type(exc).__name__}: {exc})") from None
+            if arrays[name].dtype == object:
+                raise LayoutError(f"packed dict: field {name!r} holds Python objects; expected a numeric array")
         try:
-            kind = data["kind"]
-            if kind not in ("keys", "values"):
-                raise LayoutError(f"kind={kind!r}; expected 'keys' or 'values'")
-            packed = cls(
-                spec=spec_from_dict(data["spec"]),
-                kind=kind,
-                shape=tuple(int(s) for s in data["shape"]),  # type: ignore[arg-type]
-                fields={k: np.asarray(v) for k, v in data["fields"].items()},
-                layer=int(data.get("layer", 0)),
-                dtype=str(data.get("dtype", "float32")),
-            )
-        except KeyError as exc:
-            raise LayoutError(f"packed dict lacks {exc}") from None
+            spec = _spec_resolver(data["spec"])
+        except KVQError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a malformed spec dict
+            raise LayoutError(f"packed dict: spec {data['spec']!r} is malformed ({type(exc).__name__}: {exc})") from None
+        packed = cls(
+            spec=spec,
+            kind=data["kind"],
+            shape=tuple(int(s) for s in shape),  # type: ignore[arg-type]
+            fields=arrays,
+            layer=int(layer),
+            dtype=dtype,
+        )
         packed.validate()
         return packed
 
@@ -336,8 +447,18 @@ def concat_tokens(parts: "list[PackedKV]", arrays: Any = None) -> PackedKV:
         fields[name] = join(xs, ax) if join else np.concatenate([to_host(x) for x in xs], axis=ax)
     tokens = sum(p.shape[2] for p in parts)
     out = dataclasses.replace(first, shape=(first.shape[0], first.shape[1], tokens, first.shape[3]), fields=fields)
-    out.validate()
+    out.check_structure()
+    inherit_validation(out, parts)
     return out
+
+
+def inherit_validation(out: PackedKV, parts: "list[PackedKV]") -> None:
+    """A block made by moving codes of ``parts`` stores their values, so when every part has passed
+    :meth:`PackedKV.validate` it counts as validated too once its structure checks (no second
+    scan of the values on the cache's join, slice and batch-selection paths)."""
+    if all(p.is_validated() for p in parts):
+        out.check_structure()
+        out.mark_checked()
 
 
 def slice_tokens(p: PackedKV, start: int, stop: int) -> PackedKV:
@@ -358,4 +479,6 @@ def slice_tokens(p: PackedKV, start: int, stop: int) -> PackedKV:
         index = [slice(None)] * a.ndim
         index[axes[name]] = slice(lo[name], hi[name])
         fields[name] = a[tuple(index)]
-    return dataclasses.replace(p, shape=(p.shape[0], p.shape[1], stop - start, p.shape[3]), fields=fields)
+    out = dataclasses.replace(p, shape=(p.shape[0], p.shape[1], stop - start, p.shape[3]), fields=fields)
+    inherit_validation(out, [p])
+    return out

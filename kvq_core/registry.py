@@ -23,18 +23,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-import importlib.metadata
 import os
 import re
 import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pluggy
-
-from kvq_core import hookspecs
 from kvq_core.errors import (
     BackendUnavailableError,
     MethodUnavailableError,
@@ -47,10 +43,13 @@ from kvq_core.kernels import ArrayAdapter, BackendInfo, MethodInfo, resolve
 from kvq_core.layout import set_spec_resolver
 from kvq_core.spec import MethodSpec
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the built-ins are read from kvq's installed metadata
-    tomllib = None  # type: ignore[assignment]
+if TYPE_CHECKING:  # pragma: no cover
+    import importlib.metadata
+
+    import pluggy
+
+# pluggy, importlib.metadata and tomllib are imported when the registry loads (first use), not
+# with kvq_core: ``import kvq_core`` stays cheap.
 
 #: The distribution whose ``kvq.plugins`` entry points are the built-ins (``pip install kvq-core``;
 #: the import name is ``kvq_core``, the command ``kvq``).
@@ -119,6 +118,32 @@ class _Lazy:
         return self._value, self._error
 
 
+class _LazyArrays:
+    """A backend's array adapter named by a ``"module:Attr"`` reference (an adapter instance or
+    class), imported on first use: registering a torch-tensor backend imports no torch.
+
+    Each attribute is looked up on the adapter once and then kept on this object, so later
+    calls cost what calls on the adapter itself cost; an optional method the adapter lacks
+    raises AttributeError as it would (``getattr(arrays, "device_of", None)`` works)."""
+
+    def __init__(self, ref: str) -> None:
+        self._ref = ref
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        impl = self.__dict__.get("_impl")
+        if impl is None:
+            obj = resolve(self._ref)
+            impl = self.__dict__["_impl"] = obj() if isinstance(obj, type) else obj
+        value = getattr(impl, name)
+        setattr(self, name, value)
+        return value
+
+    def __repr__(self) -> str:
+        return f"<array adapter {self._ref}>"
+
+
 @dataclasses.dataclass
 class _Method:
     info: MethodInfo
@@ -157,8 +182,12 @@ def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
 
 def _checkout_project() -> tuple[dict[str, Any], Path] | None:
     """The ``[project]`` table of the source checkout ``kvq_core`` sits in, if it is kvq's own."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the built-ins are read from kvq's installed metadata
+        return None
     pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    if tomllib is None or not pyproject.is_file():
+    if not pyproject.is_file():
         return None
     project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
     return (project, pyproject) if normalized(str(project.get("name", ""))) == KVQ_DIST else None
@@ -169,6 +198,8 @@ def extras() -> tuple[str, ...]:
     found = _checkout_project()
     if found is not None:
         return tuple(found[0].get("optional-dependencies", {}))
+    import importlib.metadata
+
     try:
         return tuple(importlib.metadata.metadata(KVQ_DIST).get_all("Provides-Extra") or ())
     except importlib.metadata.PackageNotFoundError:
@@ -182,6 +213,10 @@ def builtin_plugins() -> tuple[tuple[tuple[str, str], ...], str]:
     ``kvq_core`` sits in (a PYTHONPATH run, or an editable install whose metadata may predate the
     table), else the installed distribution's metadata (a wheel). Adding a backend is one line
     in that table; no core file changes."""
+    import importlib.metadata
+
+    from kvq_core import hookspecs
+
     found = _checkout_project()
     if found is not None:
         table = found[0].get("entry-points", {}).get(hookspecs.ENTRY_POINT_GROUP, {})
@@ -205,6 +240,12 @@ def _missing_extra(name: str, exc: BaseException) -> str:
 def _load_plugins(pm: pluggy.PluginManager) -> dict[str, Record]:
     """Register the built-ins, then (unless disabled) every other ``kvq.plugins`` entry point;
     one record per plugin, loaded or failed with the reason."""
+    import importlib.metadata
+
+    import pluggy
+
+    from kvq_core import hookspecs
+
     plugins: dict[str, Record] = {}
 
     def try_register(name: str, load: Callable[[], Any], origin: str, builtin: bool = False) -> None:
@@ -277,6 +318,8 @@ def _collect_methods_and_backends(pm: pluggy.PluginManager, got: _Collected) -> 
             if kind is MethodInfo:
                 pending[kind][info.name] = _Method(info, origin, _Lazy(info.spec_cls))
             else:
+                if isinstance(info.arrays, str):
+                    info = dataclasses.replace(info, arrays=_LazyArrays(info.arrays))
                 pending[kind][info.name] = _Backend(info, origin, {m: _Lazy(f) for m, f in info.kernels.items()})
 
         try:
@@ -337,8 +380,13 @@ def _collect_kernels(pm: pluggy.PluginManager, got: _Collected) -> None:
 
 
 def _load() -> _State:
+    import pluggy
+
+    from kvq_core import hookspecs
+
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    hookspecs.hookimpl(trylast=True)(kvq_select_backend)  # marks this module's hook (pluggy is loaded now)
     pm.register(sys.modules[__name__], name="kvq-core")
     got = _Collected(_load_plugins(pm))
     _collect_methods_and_backends(pm, got)
@@ -514,27 +562,26 @@ def alternatives(spec: MethodSpec, device: str | None) -> str:
 def select_backend(spec: MethodSpec | str, device: str | None = None) -> str:
     """Resolve ``backend="auto"`` through the firstresult hook ``kvq_select_backend``.
 
-    Candidates are the backends that can serve the spec on ``device``; ``spec`` may be a method
-    name (then only availability and kernels are checked)."""
+    The hook chooses among the backends that implement the method and are not yet ruled out;
+    the registry then checks the choice (available, kernels load, and supports the spec on
+    ``device``; ``spec`` may be a method name, then only the first two) and asks again without
+    it if not. So only the chosen backend's kernels are imported: ``backend="auto"`` on NumPy
+    arrays loads neither torch nor Triton."""
     method = spec if isinstance(spec, str) else spec.method
     why: list[str] = []
-    candidates = []
-    for name in state().backends:
-        if method not in state().backends[name].kernels:
-            continue
-        ok, reason = serves(name, method) if isinstance(spec, str) else supports(name, spec, device)
+    pending = [name for name, entry in state().backends.items() if method in entry.kernels]
+    while pending:
+        chosen = state().pm.hook.kvq_select_backend(method=method, device=device, candidates=list(pending))
+        if chosen not in pending:
+            raise BackendUnavailableError(f"backend selection returned {chosen!r}; candidates were {pending}")
+        ok, reason = serves(chosen, method) if isinstance(spec, str) else supports(chosen, spec, device)
         if ok:
-            candidates.append(name)
-        else:
-            why.append(str(reason))
-    if not candidates:
-        ok, reason = method_status(method)
-        detail = reason if not ok else ("; ".join(why) or "no backend implements it")
-        raise BackendUnavailableError(f"no available backend serves method {method!r}: {detail}")
-    chosen = state().pm.hook.kvq_select_backend(method=method, device=device, candidates=candidates)
-    if chosen not in candidates:
-        raise BackendUnavailableError(f"backend selection returned {chosen!r}; candidates were {candidates}")
-    return chosen
+            return chosen
+        why.append(str(reason))
+        pending.remove(chosen)
+    ok, reason = method_status(method)
+    detail = reason if not ok else ("; ".join(why) or "no backend implements it")
+    raise BackendUnavailableError(f"no available backend serves method {method!r}: {detail}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -576,9 +623,9 @@ def list_plugins() -> list[Record]:
     return list(state().plugins)
 
 
-@hookspecs.hookimpl(trylast=True)
 def kvq_select_backend(method: str, device: str | None, candidates: list[str]) -> str | None:
-    """Last resort: the NumPy reference when it can serve, else the first candidate."""
+    """Last resort: the NumPy reference when it can serve, else the first candidate (a trylast
+    hook implementation, marked when the registry loads)."""
     return "numpy" if "numpy" in candidates else candidates[0]
 
 

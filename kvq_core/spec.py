@@ -18,6 +18,21 @@ from kvq_core.errors import SpecError
 from kvq_core.layout import Layout
 from kvq_core.math.hadamard import is_power_of_two
 
+#: Upper bounds on the spec parameters that set sizes, so that a block's work and memory stay
+#: proportional to its bytes (a block is untrusted data; its spec comes with it):
+#:
+#: - ``head_dim`` <= MAX_HEAD_DIM: every per-vector transform is O(d log d) (the Hadamard is
+#:   applied by the fast transform, never as a d x d matrix) and per-head constants are O(d);
+#: - a dense per-(layer, kv head) matrix (TurboQuant's ``rotation="haar"``, QJL's and
+#:   TurboQuant_prod's sketches) holds at most MAX_DENSE_ENTRIES entries (4 MiB in float32);
+#:   one drawn by QR (Haar blocks: ``rotation="haar"``, ``sketch="orthogonal"``) is at most
+#:   MAX_DENSE_DIM square, since QR costs O(d^3) (0.1 s at d = 1024 where d = 8192 took 250 s);
+#: - codebooks have at most ``kvq_core.math.codebooks.MAX_BITS`` (8) bits, integer codes at most 8
+#:   bits (OScaR, KIVI, QuaRot), and group sizes are bounded by head_dim or by the token count.
+MAX_HEAD_DIM = 1 << 16
+MAX_DENSE_DIM = 1 << 10
+MAX_DENSE_ENTRIES = MAX_DENSE_DIM * MAX_DENSE_DIM
+
 
 def channel_group(preferred: int, head_dim: int) -> int:
     """The default size of a group of channels: ``min(preferred, head_dim)`` when it divides
@@ -66,9 +81,17 @@ class MethodSpec:
     def validate_head_dim(self) -> None:
         """head_dim: a multiple of 16 (the rotations are Hadamard blocks of >= 16 coordinates,
         :mod:`kvq_core.math.hadamard`). Codecs without such structure override this."""
-        self._check_int("head_dim", 16, 1 << 16)
+        self._check_int("head_dim", 16, MAX_HEAD_DIM)
         if self.head_dim % 16:
             raise SpecError(self.method, "head_dim", self.head_dim, "a multiple of 16 (64, 80, 96, 128, ...)")
+
+    def check_dense(self, param: str, rows: int, cols: int, qr: bool) -> None:
+        """Bound a dense per-head matrix of ``rows`` x ``cols`` that ``param`` sets (MAX_DENSE_ENTRIES
+        entries; square blocks of at most MAX_DENSE_DIM when drawn by QR); SpecError naming ``param``."""
+        if rows * cols > MAX_DENSE_ENTRIES or (qr and cols > MAX_DENSE_DIM):
+            limit = f"head_dim <= {MAX_DENSE_DIM} (a Haar block is drawn by QR, O(head_dim^3))" if qr and cols > MAX_DENSE_DIM \
+                else f"rows x head_dim <= {MAX_DENSE_ENTRIES} for its {rows} x {cols} matrix per kv head"
+            self._fail(param, f"a value whose dense matrix stays bounded: {limit}")
 
     def _fail(self, param: str, expected: str) -> None:
         raise SpecError(self.method, param, getattr(self, param), expected)

@@ -1,16 +1,20 @@
 """Input checks at the API boundary: typed errors that name the value and what was expected."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from kvq_core.errors import InputError, LayoutError
 from kvq_core.layout import PackedKV
+from kvq_core.layout import dtype_name as _dtype_name
 from kvq_core.kernels import ArrayAdapter
 from kvq_core.spec import MethodSpec
 
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _dims(shape: Any) -> tuple[Any, ...]:
@@ -20,7 +24,8 @@ def _dims(shape: Any) -> tuple[Any, ...]:
 
 
 def dtype_name(x: Any) -> str:
-    return str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
+    dtype = getattr(x, "dtype", None)
+    return type(x).__name__ if dtype is None else _dtype_name(dtype)  # cached: str() of a dtype costs ~5 us
 
 
 def check_kv(x: Any, spec: MethodSpec, arrays: ArrayAdapter, what: str = "keys") -> tuple[int, int, int, int]:
@@ -126,16 +131,52 @@ def check_stored_precise(packed: PackedKV, x: Any, arrays: ArrayAdapter, what: s
     )
 
 
-def check_packed(p: Any, spec: MethodSpec, kind: str) -> PackedKV:
-    """Check a packed block belongs to this quantizer's spec and holds ``kind``."""
+def check_packed(p: Any, spec: MethodSpec, kind: str, layer: int, arrays: ArrayAdapter) -> PackedKV:
+    """Check a packed block belongs to this quantizer's spec, holds ``kind`` and was made for
+    ``layer``, and validate it once (:meth:`PackedKV.validate`: every field's shape and dtype,
+    the block's dims, dtype name and layer, finite stored floats) before any kernel reads it."""
     if not isinstance(p, PackedKV):
         raise InputError(f"expected a PackedKV of {kind}; got {type(p).__name__}")
     if p.kind != kind:
         raise InputError(f"expected packed {kind}; got packed {p.kind}")
     if p.spec is not spec and p.spec != spec:  # identity first: traceable by torch.compile
         raise LayoutError(f"packed block was made with {p.spec.describe()}; this quantizer has {spec.describe()}")
-    p.validate()
+    p.validate(arrays.all_finite)
+    if p.layer != layer:
+        raise LayoutError(f"packed {kind} record layer {p.layer}; this call decodes with layer {layer}'s constants "
+                          f"(pass layer={p.layer} to use that layer's, or use that layer's quantizer)")
     return p
+
+
+def check_layer(layer: Any, default: int) -> int:
+    """``layer=`` of a call: None for the quantizer's own (``default``), else an integer >= 0."""
+    if layer is None:
+        return default
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+        raise InputError(f"layer={layer!r}; expected an integer >= 0 (or None for the quantizer's layer {default})")
+    return int(layer)
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    """The attend scale: ``1/sqrt(head_dim)`` by default, else a finite number > 0 whose float32
+    rounding is a normal number (the kernels scale in float32; a larger one is inf there)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise InputError(f"scale={scale!r}; expected a finite number > 0")
+    value = float(scale)
+    if not math.isfinite(value) or not _F32_TINY <= value <= _F32_MAX:
+        raise InputError(f"scale={scale!r}; expected a finite number > 0 within float32's normal range "
+                         f"[{_F32_TINY:.3g}, {_F32_MAX:.3g}] (the kernels scale logits in float32)")
+    return value
+
+
+def check_attention_finite(lse: Any, arrays: ArrayAdapter, scale: float) -> None:
+    """After attend: with finite queries and blocks, a non-finite log-sum-exp can only come from
+    scaled logits past float32's range, so raise instead of returning NaN/Inf output."""
+    if not arrays.all_finite(lse):
+        raise InputError(f"attend: scale={scale!r} times the logits overflows float32 (the log-sum-exp is not "
+                         "finite); use a smaller scale (the default is 1/sqrt(head_dim)) or smaller queries")
 
 
 def check_query(q: Any, pk: PackedKV, pv: PackedKV, arrays: ArrayAdapter) -> tuple[int, int, int, int]:

@@ -32,3 +32,14 @@ def test_cuda_kernels_match_the_reference(method: str, spec_params: dict) -> Non
                                   **TINY)
     assert report.examples > 0 and report.codes_compared > 0
     assert supports(registry.make_spec(method), "cuda") == (True, None)
+
+
+def test_cuda_codes_round_half_to_even() -> None:
+    """The fixed tie block (half the codes exact .5 ties) gives exactly the reference's codes: the
+    CUDA kernels' rounding is half-to-even (on a GPU, libdevice rintf; tests/test_numba_ptx.py
+    checks its cvt.rni in the PTX)."""
+    from numba import cuda
+
+    report = testing.check_ties("numba", "oscar", to_backend=lambda a: cuda.to_device(a), head_dim=16, kv_heads=1,
+                                gqa=1)
+    assert report.codes_compared > 0 and report.tie_mismatches == 0

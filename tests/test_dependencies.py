@@ -34,11 +34,14 @@ EXTRAS_BY_PREFIX: dict[str, tuple[str, ...]] = {
     "kvq_core/bench": ("bench", "torch"),
     "kvq_core/bench/decode.py": ("bench", "hf", "torch"),  # decodes SmolLM2 through transformers caches
     "kvq_core/testing": ("dev",),
+    "kvq_core/warmup.py": ("hf", "torch"),  # --model reads the model's transformers config
+    "kvq_core/testing/paged.py": ("dev", "torch"),  # kvq::attend_paged cases are torch tensors
     "kvq_core/dispatch": ("torch",),  # the kvq:: op dispatch for torch-tensor backends (main's restructure)
     "backends/kvq_numpy": (),
     "backends/kvq_torch": ("torch",),
     "backends/kvq_triton": ("triton", "torch"),
     "backends/kvq_numba": ("numba",),
+    "backends/kvq_numba/paged.py": ("numba", "torch"),  # kvq::attend_paged (a torch op) on the numba kernels
     "kvq_core/onnx": ("onnx", "torch"),
 }
 

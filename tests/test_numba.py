@@ -13,10 +13,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reaso
 
 def test_kernels_compile_once_per_signature() -> None:
     """Many conformance shapes/dtypes reuse one compiled specialisation per kernel (fixed dtypes)."""
-    from kvq_numba import cpu_attend, cpu_attend_planes, cpu_intquant
+    from kvq_numba import cpu_attend, cpu_attend_planes, cpu_intquant, cpu_paged
 
     testing.check_method("numba", "oscar", max_examples=4, errors=False)
-    for kernel in (cpu_attend.attend_int_codes, cpu_attend_planes.attend_planes, cpu_intquant.encode_token_groups,
+    for kernel in (cpu_attend.attend_int_codes, cpu_attend_planes.planes_jobs, cpu_paged.plan, cpu_paged.combine,
+                   cpu_intquant.encode_token_groups,
                    cpu_intquant.decode_channel_groups):
         assert 1 <= len(kernel.signatures) <= 2, (kernel, kernel.signatures)
 
@@ -91,7 +92,7 @@ def test_cuda_kernels_under_the_simulator() -> None:
                            str(root / "tests" / "numba_cuda_sim_conformance.py")],
                           env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "2 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "3 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_first_compile_is_announced_and_cached(tmp_path) -> None:

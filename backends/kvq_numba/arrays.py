@@ -27,6 +27,8 @@ def is_cuda_input(x: Any) -> bool:
 
 def as_float32(x: Any) -> np.ndarray:
     """Host input as a C-contiguous float32 array (no copy when it already is one)."""
+    if type(x) is np.ndarray and x.dtype == np.float32 and x.flags.c_contiguous:
+        return x
     return np.ascontiguousarray(to_host(x), dtype=np.float32)
 
 
@@ -34,6 +36,8 @@ class NumbaArrays:
     """Host arrays become NumPy; device arrays stay device arrays (numba's, or the caller's)."""
 
     def asarray(self, x: Any) -> Any:
+        if type(x) is np.ndarray:  # the common case first (every field of every attend call)
+            return x
         if is_cuda_input(x):
             return x
         return to_host(x)

@@ -12,18 +12,108 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kvq_numba import cpu_paged
 from kvq_numba.cpu_attend import online_softmax
-from kvq_numba.cpu_octopus import decode_rows
-from kvq_numba.cpu_simd import halves
-from kvq_numba.cpu_tiles import ROWS, logits, tile_of, tile_queries, weighted_rows, write_tile
+from kvq_numba.cpu_common import half_to_float
+from kvq_numba.cpu_octopus import decode_rows_at
+from kvq_numba.cpu_paged import (CODES, DESC, J_HEAD, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, WIDTH, half_at,
+                                 mask_block, row_limits, store_partial, token_rows)
+from kvq_numba.cpu_tiles import ROWS, logits, weighted_rows
 
 #: tokens per online-softmax block (two decoded [BLOCK, d] blocks stay in L1 at d = 128)
 BLOCK = 32
 
 
+#: fields of an OCTOPUS job, in the order of the buffers and descriptor rows (kvq_numba.cpu_paged)
+F_KC, F_KN, F_VC, F_VN, F_VH = range(5)
+
+
+@njit(cache=True, inline="always")
+def _floats(buf, addr, n, scratch, out) -> None:
+    """``out[i]`` = the float32 at byte ``addr[i]`` (``i < n``): read in place when the values follow
+    one another (contiguous blocks), else byte by byte (page rows)."""
+    if addr[n - 1] - addr[0] == (n - 1) * 4:
+        src = buf[addr[0]:addr[0] + 4 * n].view(np.float32)
+        for i in range(n):
+            out[i] = src[i]
+    else:
+        view = scratch.view(np.float32)
+        for i in range(n):
+            for x in range(4):
+                scratch[x] = buf[addr[i] + x]
+            out[i] = view[0]
+
+
 @njit(parallel=True, fastmath=True, cache=True)
+def octopus_jobs(q, jobs, first, row_lo, g, table, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
+                 scale, pm, pl, pacc) -> None:
+    """The CODES jobs of a plan (:func:`kvq_numba.cpu_paged.plan`): partial softmax state of rotated
+    queries ``q`` [kv_heads, rows, d] over OCTOPUS codes, causal per row, fields read through
+    ``table`` and ``desc`` (one row per buffer: key codes, key norm, value codes, value norm,
+    float16 values). Values: ``gamma * v_hat`` (rotated domain) or, when ``values_fp16``, the
+    float16 rows (original domain)."""
+    nhk, nrow, d = q.shape
+    krb = desc[F_KC, WIDTH]
+    vrb = desc[F_VC, WIDTH]
+    for job in prange(jobs.shape[0]):
+        if jobs[job, J_KIND] != CODES:
+            continue
+        req, h, row0, nrt = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+        lim = np.empty(ROWS, np.int64)
+        row_limits(jobs, job, first, row_lo, g, lim)
+        qf = np.zeros(ROWS * d, np.float32)
+        for r in range(nrt):
+            for c in range(d):
+                qf[r * d + c] = q[h, row0 + r, c]
+        m = np.full(ROWS, -np.inf, np.float32)
+        l = np.zeros(ROWS, np.float32)
+        acc = np.zeros(ROWS * d, np.float32)
+        no_vbias = np.zeros((ROWS, 0), np.float32)
+        kbuf = np.empty((BLOCK, d), np.float32)
+        vbuf = np.empty((BLOCK, d), np.float32)
+        p = np.zeros((ROWS, BLOCK), np.float32)
+        pw = np.empty(ROWS * BLOCK, np.float32)
+        tok = np.empty(BLOCK, np.float32)
+        vgam = np.empty(BLOCK, np.float32)
+        ebits = np.empty(ROWS * BLOCK, np.int32)
+        ka = np.empty(BLOCK, np.int64)
+        va = np.empty(BLOCK, np.int64)
+        na = np.empty(BLOCK, np.int64)
+        nb4 = np.empty(4, np.uint8)
+        kflat = kbuf.reshape(BLOCK * d)
+        vflat = vbuf.reshape(BLOCK * d)
+        for t0 in range(jobs[job, J_T0], jobs[job, J_T1], BLOCK):
+            n = min(BLOCK, jobs[job, J_T1] - t0)
+            token_rows(table, req, h, t0, n, desc[F_KC], ka)
+            token_rows(table, req, h, t0, n, desc[F_KN], na)
+            _floats(kn, na, n, nb4, tok)
+            for i in range(n):
+                tok[i] *= scale
+            decode_rows_at(kc, ka, n, krb, bits, code_table, kbuf)
+            logits(qf, kflat, d, n, tok, p)
+            mask_block(p, n, t0, lim)
+            online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
+            if values_fp16:
+                token_rows(table, req, h, t0, n, desc[F_VH], va)
+                for i in range(n):
+                    for c in range(d):
+                        vflat[i * d + c] = half_to_float(half_at(vh, va[i] + 2 * c))
+                    vgam[i] = 1
+            else:
+                token_rows(table, req, h, t0, n, desc[F_VC], va)
+                token_rows(table, req, h, t0, n, desc[F_VN], na)
+                _floats(vn, na, n, nb4, vgam)
+                decode_rows_at(vc, va, n, vrb, bits, code_table, vbuf)
+            for r in range(ROWS):
+                for i in range(n):
+                    pw[r * BLOCK + i] = p[r, i] * vgam[i]
+            weighted_rows(pw, BLOCK, vflat, d, n, acc)
+        store_partial(job, m, l, acc, pm, pl, pacc)
+
+
 def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
-    """OCTOPUS attention of rotated queries ``q`` float32 [b, hk, rows, d] over triplet codes.
+    """OCTOPUS attention of rotated queries ``q`` float32 [b, hk, rows, d] over triplet codes: the
+    contiguous blocks as the trivial page table of :func:`octopus_jobs`.
 
     Values: ``vgamma * v_hat`` (rotated domain; the caller un-rotates the output) or, when
     ``values_fp16``, the float16 rows ``vhalf`` (uint16 bits [b, hk, t, d], original domain).
@@ -31,38 +121,24 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
     """
     nb, nhk, nr, d = q.shape
     nt = kcodes.shape[2]
-    out = np.empty((nb, nhk, nr, d), np.float32)
-    lse = np.empty((nb, nhk, nr), np.float32)
-    for job in prange(nb * nhk * ((nr + ROWS - 1) // ROWS)):
-        b, h, r0, nrt = tile_of(job, nhk, nr)
-        qf, m, l, acc = tile_queries(q, b, h, r0, nrt)
-        no_vbias = np.zeros((ROWS, 0), np.float32)
-        kbuf = np.empty((BLOCK, d), np.float32)
-        vbuf = np.empty((BLOCK, d), np.float32)
-        p = np.zeros((ROWS, BLOCK), np.float32)
-        pw = np.empty(ROWS * BLOCK, np.float32)
-        tok = np.empty(BLOCK, np.float32)
-        ebits = np.empty(ROWS * BLOCK, np.int32)
-        kflat = kbuf.reshape(BLOCK * d)
-        vflat = vbuf.reshape(BLOCK * d)
-        vh = vhalf[b, h].reshape(vhalf.shape[2] * vhalf.shape[3]) if values_fp16 else vhalf[0, 0, 0]
-        for t0 in range(0, nt, BLOCK):
-            n = min(BLOCK, nt - t0)
-            decode_rows(kcodes[b, h], t0, n, bits, table, kbuf)
-            for i in range(n):
-                tok[i] = scale * kgamma[b, h, t0 + i]
-            logits(qf, kflat, d, n, tok, p)
-            online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
-            if values_fp16:
-                halves(vh, t0 * d, n * d, vflat)
-                for r in range(ROWS):
-                    for i in range(n):
-                        pw[r * BLOCK + i] = p[r, i]
-            else:
-                decode_rows(vcodes[b, h], t0, n, bits, table, vbuf)
-                for r in range(ROWS):
-                    for i in range(n):
-                        pw[r * BLOCK + i] = p[r, i] * vgamma[b, h, t0 + i]
-            weighted_rows(pw, BLOCK, vflat, d, n, acc)
-        write_tile(acc, m, l, b, h, r0, nrt, out, lse)
-    return out, lse
+    desc = np.zeros((5, DESC), np.int64)
+    #        rows per block, block stride, head stride, row stride, offset, width, group rows
+    krb = kcodes.shape[3]
+    desc[F_KC] = (nt, nhk * nt * krb, nt * krb, krb, 0, krb, 1)
+    desc[F_KN] = (nt, nhk * nt * 4, nt * 4, 4, 0, 4, 1)
+    if values_fp16:
+        desc[F_VH] = (nt, nhk * nt * 2 * d, nt * 2 * d, 2 * d, 0, 2 * d, 1)
+    else:
+        vrb = vcodes.shape[3]
+        desc[F_VC] = (nt, nhk * nt * vrb, nt * vrb, vrb, 0, vrb, 1)
+        desc[F_VN] = desc[F_KN]
+    bufs = [_bytes(a) for a in (kcodes, kgamma, vcodes, vgamma, vhalf)]
+    return cpu_paged.run_trivial(
+        q, nt, lambda qh, jobs, first, row_lo, g, tab, pm, pl, pacc: octopus_jobs(
+            qh, jobs, first, row_lo, g, tab, *bufs, desc, values_fp16, bits, table, np.float32(scale), pm, pl, pacc),
+        BLOCK)
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's bytes, flat (no copy)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)

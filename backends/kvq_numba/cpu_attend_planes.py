@@ -25,9 +25,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kvq_numba import cpu_paged
 from kvq_numba.cpu_attend import online_softmax
-from kvq_numba.cpu_tiles import ROWS, tile_of, tile_queries
+from kvq_numba.cpu_paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, WIDTH,
+                                 gather_rows_bytes, heads_f32, row_addr, mask_block, row_limits, store_partial,
+                                 token_rows)
 from kvq_numba.cpu_simd import bytes8, halves, plane, vaccumulate, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
+from kvq_numba.cpu_tiles import ROWS
 
 #: most tokens per online-softmax block (rounded down to whole key groups, at least one group)
 BLOCK = 128
@@ -54,9 +58,10 @@ def plane_order(d, bits):
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _logits(qs, d, kc, t0, ilo, ihi, rb, bits, bias, tok, p) -> None:
-    """``p[r, i] = (qs[r] . k[t0 + i] + bias[r]) * tok[i]`` for ``i`` in ``ilo .. ihi``: four rows
-    (``qs`` [4 * d], plane order) by two tokens per pass; an odd last token is computed twice."""
+def _logits(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p) -> None:
+    """``p[r, i] = (qs[r] . k_i + bias[r]) * tok[i]`` for ``i`` in ``ilo .. ihi``, token ``i``'s code
+    row at byte ``ka[i]`` of ``kc``: four rows (``qs`` [4 * d], plane order) by two tokens per pass;
+    an odd last token is computed twice."""
     mask = (1 << bits) - 1
     mid = np.float32(mask) * np.float32(0.5)
     planes = 8 // bits
@@ -64,8 +69,8 @@ def _logits(qs, d, kc, t0, ilo, ihi, rb, bits, bias, tok, p) -> None:
         i1 = min(i + 1, ihi - 1)
         a00, a01, a10, a11 = vzero(), vzero(), vzero(), vzero()
         a20, a21, a30, a31 = vzero(), vzero(), vzero(), vzero()
-        o0 = (t0 + i) * rb
-        o1 = (t0 + i1) * rb
+        o0 = ka[i]
+        o1 = ka[i1]
         for ch in range(rb // 8):
             x0 = bytes8(kc, o0 + ch * 8)
             x1 = bytes8(kc, o1 + ch * 8)
@@ -89,9 +94,10 @@ def _logits(qs, d, kc, t0, ilo, ihi, rb, bits, bias, tok, p) -> None:
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _weighted_values(pw, sb, vc, t0, n, rb, bits, chunks_per_group, acc, d) -> None:
-    """``acc[r, pos] += sum_i pw[g, r, i] * code[t0 + i, pos]`` (plane order, ``acc`` [4 * d],
-    ``pw`` [groups, 4, sb]): four rows by two planes per pass over the block's tokens."""
+def _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d) -> None:
+    """``acc[r, pos] += sum_i pw[g, r, i] * code_i[pos]`` (plane order, ``acc`` [4 * d], ``pw``
+    [groups, 4, sb], token ``i``'s code row at byte ``va[i]`` of ``vc``): four rows by two planes
+    per pass over the block's tokens."""
     mask = (1 << bits) - 1
     mid = np.float32(mask) * np.float32(0.5)
     planes = 8 // bits
@@ -102,7 +108,7 @@ def _weighted_values(pw, sb, vc, t0, n, rb, bits, chunks_per_group, acc, d) -> N
             a00, a01, a10, a11 = vzero(), vzero(), vzero(), vzero()
             a20, a21, a30, a31 = vzero(), vzero(), vzero(), vzero()
             for i in range(n):
-                x = bytes8(vc, (t0 + i) * rb + ch * 8)
+                x = bytes8(vc, va[i] + ch * 8)
                 v0 = plane(x, s * bits, mask, mid)
                 v1 = plane(x, (s + 1) * bits, mask, mid)
                 w = vsplat(pw[w0 + i])
@@ -140,35 +146,89 @@ def _fold_key_group(qo, qp, ks, ko, mid, order, qs, bias, ksp) -> None:
         bias[r] = vhsum(a)
 
 
+@njit(cache=True, inline="always")
+def key_stats(buf, table, req, h, grp, desc, d, scratch, out) -> None:
+    """``out`` = key group ``grp``'s float16 row (scale or offset) of ``d`` channels, read in place when
+    one row holds it (contiguous blocks), else gathered from its stripes first (pages)."""
+    if desc[WIDTH] >= 2 * d:
+        a = row_addr(table, req, h, grp * desc[GROUP_ROWS], desc)
+        halves(buf[a:a + 2 * d].view(np.uint16), 0, d, out)
+    else:
+        gather_rows_bytes(buf, table, req, h, grp * desc[GROUP_ROWS], desc, 2 * d, scratch)
+        halves(scratch.view(np.uint16), 0, d, out)
+
+
+@njit(cache=True, inline="always")
+def token_halves(buf, addr, n, count, scratch, out) -> None:
+    """``out[i * count + j]`` = float32 of the ``j``-th float16 at byte ``addr[i]`` (tokens ``i < n``):
+    read in place when the rows follow one another (contiguous blocks), else gathered first (pages)."""
+    if addr[n - 1] - addr[0] == (n - 1) * 2 * count:
+        halves(buf[addr[0]:addr[0] + 2 * count * n].view(np.uint16), 0, n * count, out)
+    else:
+        for i in range(n):
+            for x in range(2 * count):
+                scratch[i * 2 * count + x] = buf[addr[i] + x]
+        halves(scratch.view(np.uint16), 0, n * count, out)
+
+
+#: fields of a planes job, in the order of the buffers and descriptor rows (kvq_numba.cpu_paged)
+F_KC, F_KS, F_KO, F_KN, F_VC, F_VS, F_VO = range(7)
+
+
+@njit(cache=True)
+def block_tokens(kgroup):
+    """Tokens per online-softmax block: whole key groups, about :data:`BLOCK` (plans split by it)."""
+    return kgroup * max(1, BLOCK // kgroup)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
-def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup,
-                  scale):
-    """:func:`kvq_numba.cpu_attend.attend_int_codes` (same arguments and results) for code rows
-    that :func:`fits`."""
-    nb, nhk, nr, d = q.shape
-    nt, rb = kcodes.shape[2], kcodes.shape[3]
-    nkg = kscale.shape[2]
+def planes_jobs(q, jobs, first, row_lo, g, table, kc, ks, ko, kn, vc, vs, vo, desc, use_norm, bits, kgroup, vgroup,
+                scale, pm, pl, pacc) -> None:
+    """The CODES jobs of a plan (:func:`kvq_numba.cpu_paged.plan`) over 2- and 4-bit code rows that
+    :func:`fits`: partial softmax state of rotated queries ``q`` [kv_heads, rows, d] (channel order)
+    over the job's tokens, causal per row, fields read through ``table`` and ``desc`` (one row per
+    buffer ``kc .. vo``: key codes, key scale, key offset, token norm, value codes, scale, offset)."""
+    nhk, nrow, d = q.shape
+    rb = d * bits // 8
     nvg = d // vgroup
     chunks_per_group = vgroup // (64 // bits)
-    sb = kgroup * max(1, BLOCK // kgroup)
+    sb = block_tokens(kgroup)
     mid = np.float32((1 << bits) - 1) * np.float32(0.5)
     order = plane_order(d, bits)
-    out = np.empty((nb, nhk, nr, d), np.float32)
-    lse = np.empty((nb, nhk, nr), np.float32)
-    for job in prange(nb * nhk * ((nr + ROWS - 1) // ROWS)):
-        b, h, r0, nrt = tile_of(job, nhk, nr)
-        qo, m, l, acc = tile_queries(q, b, h, r0, nrt)  # channel order
+    for job in prange(jobs.shape[0]):
+        if jobs[job, J_KIND] != CODES:
+            continue
+        req, h, row0, nrt = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+        lim = np.empty(ROWS, np.int64)
+        row_limits(jobs, job, first, row_lo, g, lim)
+        qo = np.zeros(ROWS * d, np.float32)  # channel order
+        for r in range(nrt):
+            for c in range(d):
+                qo[r * d + c] = q[h, row0 + r, c]
+        m = np.full(ROWS, -np.inf, np.float32)
+        l = np.zeros(ROWS, np.float32)
+        acc = np.zeros(ROWS * d, np.float32)
         qp = np.zeros(ROWS * d, np.float32)  # plane order
         for r in range(nrt):
             for j in range(d):
                 qp[r * d + j] = qo[r * d + order[j]]
         qs = np.empty(ROWS * d, np.float32)
         bias = np.empty(ROWS, np.float32)
-        ks = np.empty(d, np.float32)
-        ko = np.empty(d, np.float32)
+        kstat = np.empty(2 * d, np.uint8)
+        nbuf = np.empty(4, np.uint8)
+        nval = nbuf.view(np.float32)
+        ksf = np.empty(d, np.float32)
+        kof = np.empty(d, np.float32)
         ksp = np.empty(d, np.float32)
-        vsf = np.empty(sb * nvg, np.float32)
-        vof = np.empty(sb * nvg, np.float32)
+        ka = np.empty(sb, np.int64)
+        va = np.empty(sb, np.int64)
+        sa = np.empty(sb, np.int64)
+        oa = np.empty(sb, np.int64)
+        na = np.empty(sb, np.int64)
+        sbytes = np.empty(2 * nvg * sb, np.uint8)
+        obytes = np.empty(2 * nvg * sb, np.uint8)
+        vsf = np.empty(nvg * sb, np.float32)
+        vof = np.empty(nvg * sb, np.float32)
         vst = np.empty(nvg * sb, np.float32)
         vot = np.empty(nvg * sb, np.float32)
         pw = np.empty(nvg * ROWS * sb, np.float32)
@@ -176,45 +236,75 @@ def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, v
         p = np.zeros((ROWS, sb), np.float32)
         tok = np.empty(sb, np.float32)
         ebits = np.empty(ROWS * sb, np.int32)
-        ksc = kscale[b, h].reshape(nkg * d)
-        koc = koffset[b, h].reshape(nkg * d)
-        vsc = vscale[b, h].reshape(nt * nvg)
-        voc = voffset[b, h].reshape(nt * nvg)
-        kc = kcodes[b, h].reshape(nt * rb)
-        vc = vcodes[b, h].reshape(nt * rb)
-        for t0 in range(0, nt, sb):
-            n = min(sb, nt - t0)
-            for i in range(n):
-                tok[i] = scale * knorm[b, t0 + i] if use_norm else scale
+        for t0 in range(jobs[job, J_T0], jobs[job, J_T1], sb):
+            n = min(sb, jobs[job, J_T1] - t0)
+            token_rows(table, req, h, t0, n, desc[F_KC], ka)
+            token_rows(table, req, h, t0, n, desc[F_VC], va)
+            token_rows(table, req, h, t0, n, desc[F_VS], sa)
+            token_rows(table, req, h, t0, n, desc[F_VO], oa)
+            token_halves(vs, sa, n, nvg, sbytes, vsf)
+            token_halves(vo, oa, n, nvg, obytes, vof)
+            for gg in range(nvg):  # scales and offsets to [group, token]
+                for i in range(n):
+                    vst[gg * sb + i] = vsf[i * nvg + gg]
+                    vot[gg * sb + i] = vof[i * nvg + gg]
+            if use_norm:
+                token_rows(table, req, 0, t0, n, desc[F_KN], na)
+                for i in range(n):
+                    tok[i] = scale * heads_f32(kn, na[i], desc[F_KN], nbuf, nval)
+            else:
+                for i in range(n):
+                    tok[i] = scale
             i = 0
             while i < n:  # one key group at a time
-                g = (t0 + i) // kgroup
-                i_end = min((g + 1) * kgroup - t0, n)
-                halves(ksc, g * d, d, ks)
-                halves(koc, g * d, d, ko)
-                _fold_key_group(qo, qp, ks, ko, mid, order, qs, bias, ksp)
-                _logits(qs, d, kc, t0, i, i_end, rb, bits, bias, tok, p)
+                grp = (t0 + i) // kgroup
+                i_end = min((grp + 1) * kgroup - t0, n)
+                key_stats(ks, table, req, h, grp, desc[F_KS], d, kstat, ksf)
+                key_stats(ko, table, req, h, grp, desc[F_KO], d, kstat, kof)
+                _fold_key_group(qo, qp, ksf, kof, mid, order, qs, bias, ksp)
+                _logits(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p)
                 i = i_end
+            mask_block(p, n, t0, lim)
             online_softmax(p, n, m, l, acc.reshape((ROWS, d)), vbias, ebits)
-            halves(vsc, t0 * nvg, n * nvg, vsf)
-            halves(voc, t0 * nvg, n * nvg, vof)
-            for g in range(nvg):  # scales and offsets to [group, token]
-                for i in range(n):
-                    vst[g * sb + i] = vsf[i * nvg + g]
-                    vot[g * sb + i] = vof[i * nvg + g]
-            for g in range(nvg):
+            for gg in range(nvg):
                 for r in range(ROWS):
                     a = np.float32(0)
-                    base = (g * ROWS + r) * sb
+                    base = (gg * ROWS + r) * sb
                     for i in range(n):
-                        pw[base + i] = p[r, i] * vst[g * sb + i]
-                        a += p[r, i] * (vot[g * sb + i] + mid * vst[g * sb + i])
-                    vbias[r, g] += a
-            _weighted_values(pw, sb, vc, t0, n, rb, bits, chunks_per_group, acc, d)
-        for r in range(nrt):
-            inv = np.float32(1) / l[r]
+                        pw[base + i] = p[r, i] * vst[gg * sb + i]
+                        a += p[r, i] * (vot[gg * sb + i] + mid * vst[gg * sb + i])
+                    vbias[r, gg] += a
+            _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d)
+        out = np.empty(ROWS * d, np.float32)  # channel order, value offsets added
+        for r in range(ROWS):
             for j in range(d):
                 c = order[j]
-                out[b, h, r0 + r, c] = (acc[r * d + j] + vbias[r, c // vgroup]) * inv
-            lse[b, h, r0 + r] = m[r] + np.log(l[r])
-    return out, lse
+                out[r * d + c] = acc[r * d + j] + vbias[r, c // vgroup]
+        store_partial(job, m, l, out, pm, pl, pacc)
+
+
+def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
+    """:func:`kvq_numba.cpu_attend.attend_int_codes` (same arguments and results) for code rows that
+    :func:`fits`: the contiguous blocks as the trivial page table of :func:`planes_jobs`."""
+    nb, nhk, nr, d = q.shape
+    nt, nkg = kcodes.shape[2], kscale.shape[2]
+    nvg = d // vgroup
+    rb = kcodes.shape[3]
+    desc = np.zeros((7, DESC), np.int64)
+    #        rows per block, block stride, head stride, row stride, offset, width, group rows
+    desc[F_KC] = (nt, nhk * nt * rb, nt * rb, rb, 0, rb, 1)
+    desc[F_KS] = desc[F_KO] = (nkg, nhk * nkg * 2 * d, nkg * 2 * d, 2 * d, 0, 2 * d, 1)
+    desc[F_KN] = (nt, nt * 4, 0, 4, 0, 4, 1) if use_norm else 0
+    desc[F_VC] = desc[F_KC]
+    desc[F_VS] = desc[F_VO] = (nt, nhk * nt * 2 * nvg, nt * 2 * nvg, 2 * nvg, 0, 2 * nvg, 1)
+    return cpu_paged.run_trivial(
+        q, nt, lambda qh, jobs, first, row_lo, g, table, pm, pl, pacc: planes_jobs(
+            qh, jobs, first, row_lo, g, table, _bytes(kcodes), _bytes(kscale), _bytes(koffset), _bytes(knorm),
+            _bytes(vcodes), _bytes(vscale), _bytes(voffset), desc, use_norm, bits, kgroup, vgroup, np.float32(scale),
+            pm, pl, pacc),
+        block_tokens(kgroup))
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's bytes, flat (no copy)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)

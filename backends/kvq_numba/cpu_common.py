@@ -115,6 +115,8 @@ def sum_squares(a, n) -> np.float32:
 
 def half_bits(a: np.ndarray) -> np.ndarray:
     """A float16 array as its contiguous uint16 bit patterns (no copy when already contiguous)."""
+    if a.dtype == np.float16 and a.flags.c_contiguous:
+        return a.view(np.uint16)
     return np.ascontiguousarray(a, dtype=np.float16).view(np.uint16)
 
 
@@ -245,9 +247,13 @@ def fwht_heads(x: np.ndarray, y: np.ndarray, inv_sqrt_d: np.float32) -> np.ndarr
     """``y[b, h] = x[b, h] H`` for every [t, d] slab of C-contiguous float32 arrays [b, h, t, d]
     (``y`` may be ``x``); returns ``y``.
 
-    :func:`fwht_block` is called from Python once per slab on purpose: compiled into an ``@njit``
+    :func:`fwht_block` is called from Python (once for contiguous arrays, else once per slab) on purpose: compiled into an ``@njit``
     caller, LLVM inlines it and its vector loops ran about 2x slower.
     """
+    if x.flags.c_contiguous and y.flags.c_contiguous:  # rows are independent: one call for all of them
+        d = x.shape[-1]
+        fwht_block(x.reshape(-1, d), y.reshape(-1, d), inv_sqrt_d)
+        return y
     for b in range(x.shape[0]):
         for h in range(x.shape[1]):
             fwht_block(x[b, h], y[b, h], inv_sqrt_d)

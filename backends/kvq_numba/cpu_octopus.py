@@ -81,6 +81,33 @@ def _code_at(row, j, bits, nbytes) -> np.int32:
 
 
 @njit(inline="always", cache=True)
+def _decode_row(row, bits, table, o) -> None:
+    """``o`` [d] = the rotated unit vector of the code row ``row`` (:func:`decode_rows`)."""
+    d = o.shape[0]
+    ntrip = (d + 2) // 3
+    nbytes = row.shape[0]
+    full = d // 3
+    m10 = np.uint64(1023)
+    j = 0
+    if bits == 10:
+        for g in range((full - 1) // 4):
+            s = row[5 * g:5 * g + 5]
+            w = (np.uint64(s[0]) | (np.uint64(s[1]) << np.uint64(8)) | (np.uint64(s[2]) << np.uint64(16))
+                 | (np.uint64(s[3]) << np.uint64(24)) | (np.uint64(s[4]) << np.uint64(32)))
+            move4(o, 12 * g, table, 4 * np.int64(w & m10))
+            move4(o, 12 * g + 3, table, 4 * np.int64((w >> np.uint64(10)) & m10))
+            move4(o, 12 * g + 6, table, 4 * np.int64((w >> np.uint64(20)) & m10))
+            move4(o, 12 * g + 9, table, 4 * np.int64((w >> np.uint64(30)) & m10))
+        j = 4 * ((full - 1) // 4)
+    for j in range(j, full - 1):
+        move4(o, 3 * j, table, 4 * np.int64(_code_at(row, j, bits, nbytes)))
+    for j in range(max(full - 1, 0), ntrip):
+        e = 4 * np.int64(_code_at(row, j, bits, nbytes))
+        for k in range(min(3, d - 3 * j)):
+            o[3 * j + k] = table[e + k]
+
+
+@njit(inline="always", cache=True)
 def decode_rows(codes2d, t0, n, bits, table, out) -> None:
     """Rows ``out[0 .. n]`` [.., d] = the rotated unit vectors (rho * direction per triplet, gamma
     not applied) of code rows ``t0 .. t0+n``; ``table`` float32 [2**bits * 4] holds each code's
@@ -91,31 +118,15 @@ def decode_rows(codes2d, t0, n, bits, table, out) -> None:
     b=3) come four from every five bytes with constant shifts; others are read one by one
     (:func:`_code_at`), each on its own so the loops pipeline.
     """
-    d = out.shape[1]
-    ntrip = (d + 2) // 3
-    nbytes = codes2d.shape[1]
-    full = d // 3
-    m10 = np.uint64(1023)
     for i in range(n):
-        row = codes2d[t0 + i]
-        o = out[i]
-        j = 0
-        if bits == 10:
-            for g in range((full - 1) // 4):
-                s = row[5 * g:5 * g + 5]
-                w = (np.uint64(s[0]) | (np.uint64(s[1]) << np.uint64(8)) | (np.uint64(s[2]) << np.uint64(16))
-                     | (np.uint64(s[3]) << np.uint64(24)) | (np.uint64(s[4]) << np.uint64(32)))
-                move4(o, 12 * g, table, 4 * np.int64(w & m10))
-                move4(o, 12 * g + 3, table, 4 * np.int64((w >> np.uint64(10)) & m10))
-                move4(o, 12 * g + 6, table, 4 * np.int64((w >> np.uint64(20)) & m10))
-                move4(o, 12 * g + 9, table, 4 * np.int64((w >> np.uint64(30)) & m10))
-            j = 4 * ((full - 1) // 4)
-        for j in range(j, full - 1):
-            move4(o, 3 * j, table, 4 * np.int64(_code_at(row, j, bits, nbytes)))
-        for j in range(max(full - 1, 0), ntrip):
-            e = 4 * np.int64(_code_at(row, j, bits, nbytes))
-            for k in range(min(3, d - 3 * j)):
-                o[3 * j + k] = table[e + k]
+        _decode_row(codes2d[t0 + i], bits, table, out[i])
+
+
+@njit(inline="always", cache=True)
+def decode_rows_at(buf, addr, n, nbytes, bits, table, out) -> None:
+    """:func:`decode_rows` of the ``nbytes``-byte code rows at bytes ``addr[0 .. n]`` of ``buf`` (pages)."""
+    for i in range(n):
+        _decode_row(buf[addr[i]:addr[i] + nbytes], bits, table, out[i])
 
 
 def code_table(bits: int, eta_bits: int, rho_bits: int, n_eta: int, rho_cb: np.ndarray, dirs: np.ndarray) -> np.ndarray:

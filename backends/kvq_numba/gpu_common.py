@@ -4,8 +4,11 @@
 containing "numba.cuda", so ``kvq_numba.cuda_*`` would recurse in its finder.)
 
 Kernels follow real CUDA rules: one block of :data:`THREADS` threads per row (or per query row),
-fixed-size shared arrays (rows up to :data:`MAX_D` channels), ``syncthreads`` reached by every
-thread of the block. Importing this module imports numba.cuda; nothing here runs at import.
+fixed-size shared and local arrays (rows up to :data:`MAX_D` channels; their sizes are module
+constants, which numba-cuda takes as literals, never expressions), ``syncthreads`` reached by
+every thread of the block. Device functions are inlined into their kernels
+(:data:`device_function`). Importing this module imports numba.cuda (after the NumPy 2.5 shim of
+:mod:`kvq_numba.gpu_compat`); nothing here runs at import.
 """
 from __future__ import annotations
 
@@ -13,12 +16,41 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
+
+from kvq_numba import rules
+from kvq_numba.gpu_compat import import_array_overloads
+
+import_array_overloads()
 
 #: threads per block (one warp); threads stride over channels
 THREADS = 32
 #: largest head_dim the shared arrays hold
 MAX_D = 256
+#: channels each thread of a row accumulates (local array size)
+SLOTS = MAX_D // THREADS
+#: a shared row padded to whole OCTOPUS triplets
+ROW_PAD = MAX_D + 3
+
+#: Device functions are inlined at Numba IR level: numba-cuda compiles a called (not inlined)
+#: device function for the current GPU's compute capability, which needs a GPU, so only inlined
+#: helpers let ``numba.cuda.compile_ptx`` build every kernel for any target without one (the
+#: compile gate, tests/test_numba_ptx.py).
+device_function = cuda.jit(device=True, inline="always")
+
+if config.ENABLE_CUDASIM:  # the simulator runs device code as Python: NumPy's rint
+    rint = device_function(lambda x: np.rint(x))
+else:
+    @device_function
+    def rint(x):
+        """Round half to even, float32 (libdevice ``rintf``: PTX ``cvt.rni.f32.f32``)."""
+        return cuda.libdevice.rintf(x)
+
+#: the CUDA target's copies of the shared coding rules (kvq_numba.rules)
+_RULES = rules.for_target(device_function, rint)
+group_params = _RULES["group_params"]
+int_code = _RULES["int_code"]
+triplet_code = _RULES["triplet_code"]
 
 
 def device(x: Any) -> Any:
@@ -47,7 +79,7 @@ def as_float32(x: Any) -> Any:
     return out.reshape(a.shape)
 
 
-@cuda.jit(device=True)
+@device_function
 def block_sum(sh, tid, value):
     """Sum of ``value`` over the block's THREADS threads (every thread gets it); ``sh`` shared [THREADS]."""
     sh[tid] = value
@@ -63,7 +95,7 @@ def block_sum(sh, tid, value):
     return total
 
 
-@cuda.jit(device=True)
+@device_function
 def fwht_shared(row, d, tid, inv_sqrt_d):
     """In place ``row[:d] <- row[:d] H`` for a shared row, the reference's butterfly order."""
     h = 1
@@ -125,7 +157,7 @@ def rotate(x: Any, signs: Any, inv_sqrt_d: np.float32, inverse: bool = False) ->
     return out
 
 
-@cuda.jit(device=True)
+@device_function
 def online_update(m, l, z):
     """Online softmax with a new logit ``z``: returns (new max, new sum, rescale of old acc, weight)."""
     mx = max(m, z)

@@ -12,8 +12,8 @@ import numpy as np
 from numba import cuda
 
 from kvq_core.kernels import KernelContext
-from kvq_numba.gpu_common import MAX_D, THREADS, as_float32, block_sum, device, online_update, rotate
-from kvq_numba.rules import group_params, int_code
+from kvq_numba.gpu_common import (SLOTS, THREADS, as_float32, block_sum, device, device_function, group_params,
+                                  int_code, online_update, rotate)
 
 Fields = dict[str, Any]
 _FLAT = 128  # threads per block of the elementwise kernels
@@ -99,7 +99,7 @@ def _pack(codes, bits, packed):
     packed[b, h, t, j] = np.uint8(v)
 
 
-@cuda.jit(device=True)
+@device_function
 def code_at(row, c, bits):
     """Code ``c`` of a packed row (bits 2, 4 or 8), as float32."""
     p = c * bits
@@ -129,7 +129,7 @@ def _attend(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset
     """One block per (b, kv head, query row); threads stride over channels; tokens in sequence
     with an online softmax (the block-wide dot product is a shared-memory tree sum)."""
     sh = cuda.shared.array(THREADS, np.float32)
-    acc = cuda.local.array(MAX_D // THREADS, np.float32)
+    acc = cuda.local.array(SLOTS, np.float32)
     nb, nhk, nr, d = q.shape
     nt = kcodes.shape[2]
     bid = cuda.blockIdx.x

@@ -10,8 +10,8 @@ import numpy as np
 from numba import cuda
 
 from kvq_core.kernels import KernelContext
-from kvq_numba.gpu_common import MAX_D, THREADS, as_float32, block_sum, device, fwht_shared, online_update, rotate
-from kvq_numba.rules import triplet_code
+from kvq_numba.gpu_common import (MAX_D, ROW_PAD, SLOTS, THREADS, as_float32, block_sum, device, device_function,
+                                  fwht_shared, online_update, rotate, triplet_code)
 
 Fields = dict[str, Any]
 MAX_TRIPLETS = (MAX_D + 2) // 3
@@ -22,7 +22,7 @@ def _encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_
             codes, gamma):
     """One block per row: gamma = ||x||, v = H diag(s) x / gamma, one code per triplet, packed."""
     sh = cuda.shared.array(THREADS, np.float32)
-    row = cuda.shared.array(MAX_D + 3, np.float32)
+    row = cuda.shared.array(ROW_PAD, np.float32)
     trip = cuda.shared.array(MAX_TRIPLETS, np.int32)
     nb, nh, nt, d = x.shape
     bid = cuda.blockIdx.x
@@ -60,7 +60,7 @@ def _encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_
             codes[b, h, t, k] = np.uint8(acc & 0xFF)
 
 
-@cuda.jit(device=True)
+@device_function
 def triplet_at(row, j, bits):
     """Code ``j`` of a packed row whose codes have ``bits`` (<= 16) bits, reading up to 3 bytes."""
     p = j * bits
@@ -73,7 +73,7 @@ def triplet_at(row, j, bits):
     return (v >> (p & 7)) & ((1 << bits) - 1)
 
 
-@cuda.jit(device=True)
+@device_function
 def unit_channel(row, c, bits, eta_bits, rho_bits, n_eta, rho_cb, dirs):
     """Channel ``c`` of the decoded rotated unit vector of a code row (rho * direction)."""
     code = triplet_at(row, c // 3, bits)
@@ -103,13 +103,13 @@ def _attend(q, kcodes, kgamma, vcodes, vgamma, vdata, values_fp16, bits, eta_bit
     """One block per (b, kv head, query row): logits gamma_t <q, v_hat_t> * scale, online softmax,
     values ``vgamma * v_hat`` (rotated) or the float16 rows ``vdata`` (original domain)."""
     sh = cuda.shared.array(THREADS, np.float32)
-    acc = cuda.local.array(MAX_D // THREADS, np.float32)
+    acc = cuda.local.array(SLOTS, np.float32)
     nb, nhk, nr, d = q.shape
     nt = kcodes.shape[2]
     bid = cuda.blockIdx.x
     b, h, r = bid // (nhk * nr), (bid // nr) % nhk, bid % nr
     tid = cuda.threadIdx.x
-    for k in range(MAX_D // THREADS):
+    for k in range(SLOTS):
         acc[k] = 0
     m = np.float32(-np.inf)
     l = np.float32(0)

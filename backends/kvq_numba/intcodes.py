@@ -7,6 +7,8 @@ ingredients their method uses.
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -14,13 +16,15 @@ import numpy as np
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.kivi import KiviSpec
 from kvq_core.methods.oscar import OscarSpec
-from kvq_numba import compile_notice, cpu_attend, cpu_attend_planes, cpu_intquant, cpu_rotation, rules
+from kvq_numba import compile_notice, cpu_attend, cpu_attend_planes, cpu_intquant, cpu_rotation, rules, threads
 from kvq_numba.arrays import as_float32, is_cuda_input
 from kvq_numba.cpu_common import half_bits, inv_sqrt
 
 compile_notice.install()
+threads.prefer_tbb()
 
 Fields = dict[str, Any]
+_NO_NORM = np.ones((1, 1), np.float32)
 
 
 class IntCodesNumba:
@@ -37,6 +41,13 @@ class IntCodesNumba:
         self.spec = spec
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
         self._cuda: Any = None
+
+    @functools.cached_property
+    def _attend_kernel(self) -> Any:
+        """The vector kernel (cpu_attend_planes) for 2- and 4-bit rows of whole 8-byte chunks, else the general one."""
+        if cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group):
+            return cpu_attend_planes.attend_planes
+        return cpu_attend.attend_int_codes
 
     def _gpu(self) -> Any:
         """The CUDA kernels of the same method (imported, and numba.cuda with them, on first CUDA input)."""
@@ -56,10 +67,13 @@ class IntCodesNumba:
         with np.errstate(over="ignore"):
             return {"codes": codes, "scale": scale.astype(np.float16), "offset": offset.astype(np.float16)}
 
-    # -- kernels --------------------------------------------------------------------------------
+    # -- kernels: CUDA input goes to the CUDA twin, host input to threads.run(work, cpu kernel) --
     def encode_keys(self, k: Any, ctx: KernelContext) -> Fields:
         if is_cuda_input(k):
             return self._gpu().encode_keys(k, ctx)
+        return threads.run(math.prod(ctx.shape) * threads.ENCODE_WEIGHT, self._encode_keys, k)
+
+    def _encode_keys(self, k: Any) -> Fields:
         kr = self._rotate(as_float32(k))
         norm = None
         if self.token_scaling:
@@ -72,6 +86,9 @@ class IntCodesNumba:
     def decode_keys(self, fields: Fields, ctx: KernelContext) -> Any:
         if is_cuda_input(fields["codes"]):
             return self._gpu().decode_keys(fields, ctx)
+        return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode_keys, fields)
+
+    def _decode_keys(self, fields: Fields) -> np.ndarray:
         k = cpu_intquant.decode_token_groups(np.ascontiguousarray(fields["codes"]), half_bits(fields["scale"]),
                                              half_bits(fields["offset"]), self.bits, self.key_group, self.spec.head_dim)
         if self.token_scaling:
@@ -81,12 +98,18 @@ class IntCodesNumba:
     def encode_values(self, v: Any, ctx: KernelContext) -> Fields:
         if is_cuda_input(v):
             return self._gpu().encode_values(v, ctx)
+        return threads.run(math.prod(ctx.shape) * threads.ENCODE_WEIGHT, self._encode_values, v)
+
+    def _encode_values(self, v: Any) -> Fields:
         vr = self._rotate(as_float32(v))
         return self._fields(*cpu_intquant.encode_channel_groups(vr, self.bits, self.value_group, self.zero_mode))
 
     def decode_values(self, fields: Fields, ctx: KernelContext) -> Any:
         if is_cuda_input(fields["codes"]):
             return self._gpu().decode_values(fields, ctx)
+        return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode_values, fields)
+
+    def _decode_values(self, fields: Fields) -> np.ndarray:
         v = cpu_intquant.decode_channel_groups(np.ascontiguousarray(fields["codes"]), half_bits(fields["scale"]),
                                                half_bits(fields["offset"]), self.bits, self.value_group,
                                                self.spec.head_dim)
@@ -98,16 +121,23 @@ class IntCodesNumba:
         if is_cuda_input(q):
             return self._gpu().attend(q, kfields, vfields, ctx, scale)
         b, hq, lq, d = q.shape
-        hk = ctx.shape[1]
-        qr = self._rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d))
-        norm = as_float32(kfields["norm"]) if self.token_scaling else np.ones((1, 1), np.float32)
-        kernel = (cpu_attend_planes.attend_planes if cpu_attend_planes.fits(self.bits, d, self.value_group)
-                  else cpu_attend.attend_int_codes)
-        out, lse = kernel(
+        return threads.run(b * hq * lq * ctx.shape[2] * d, self._attend, q, kfields, vfields, ctx.shape[1], scale)
+
+    def _attend(self, q: Any, kfields: Fields, vfields: Fields, hk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        b, hq, lq, d = q.shape
+        kernel, args = self.attend_args(self._rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d)),
+                                        kfields, vfields, scale)
+        out, lse = kernel(*args)
+        return self._rotate(out).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+    def attend_args(self, qr: np.ndarray, kfields: Fields, vfields: Fields, scale: float) -> tuple[Any, tuple[Any, ...]]:
+        """The attend kernel and its arguments for rotated queries ``qr`` [b, hk, rows, d] (also what
+        ``kvq bench speed`` calls directly to time the Python around it)."""
+        norm = as_float32(kfields["norm"]) if self.token_scaling else _NO_NORM
+        return self._attend_kernel, (
             qr, np.ascontiguousarray(kfields["codes"]), half_bits(kfields["scale"]), half_bits(kfields["offset"]),
             norm, self.token_scaling, np.ascontiguousarray(vfields["codes"]), half_bits(vfields["scale"]),
             half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
-        return self._rotate(out).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
 
 
 class OscarNumba(IntCodesNumba):

@@ -2,19 +2,25 @@
 :func:`kvq_numba.cpu_attend_octopus.attend_octopus`; CUDA input runs :mod:`kvq_numba.gpu_octopus`."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.octopus import OctopusSpec
-from kvq_numba import compile_notice, cpu_attend_octopus, cpu_octopus
+from kvq_numba import compile_notice, cpu_attend_octopus, cpu_octopus, threads
 from kvq_numba.arrays import as_float32, is_cuda_input
 from kvq_numba.cpu_common import half_bits, inv_sqrt
 
 compile_notice.install()
+threads.prefer_tbb()
 
 Fields = dict[str, Any]
+#: placeholders for the value arguments attend_octopus does not read (fp16 values, or octopus values)
+_NO_CODES = np.zeros((1, 1, 1, 1), np.uint8)
+_NO_NORMS = np.zeros((1, 1, 1), np.float32)
+_NO_HALVES = np.zeros((1, 1, 1, 1), np.uint16)
 
 
 class OctopusNumba:
@@ -58,47 +64,49 @@ class OctopusNumba:
                                   np.ascontiguousarray(consts["signs"]), self.inv_sqrt_d, *self._books(consts),
                                   self.spec.head_dim)
 
-    # -- kernels --------------------------------------------------------------------------------
+    # -- kernels: CUDA input goes to the CUDA twin, host input to threads.run(work, cpu kernel) --
     def encode_keys(self, k: Any, ctx: KernelContext) -> Fields:
         if is_cuda_input(k):
             return self._gpu().encode_keys(k, ctx)
-        return self._encode(k, ctx.consts)
+        return threads.run(math.prod(ctx.shape) * threads.OCTOPUS_ENCODE_WEIGHT, self._encode, k, ctx.consts)
 
     def decode_keys(self, fields: Fields, ctx: KernelContext) -> Any:
         if is_cuda_input(fields["codes"]):
             return self._gpu().decode_keys(fields, ctx)
-        return self._decode(fields, ctx.consts)
+        return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode, fields, ctx.consts)
 
     def encode_values(self, v: Any, ctx: KernelContext) -> Fields:
         if is_cuda_input(v):
             return self._gpu().encode_values(v, ctx)
         if self.spec.values == "fp16":
             return {"data": as_float32(v).astype(np.float16)}
-        return self._encode(v, ctx.consts)
+        return threads.run(math.prod(ctx.shape) * threads.OCTOPUS_ENCODE_WEIGHT, self._encode, v, ctx.consts)
 
     def decode_values(self, fields: Fields, ctx: KernelContext) -> Any:
         if is_cuda_input(next(iter(fields.values()))):
             return self._gpu().decode_values(fields, ctx)
         if self.spec.values == "fp16":
             return np.asarray(fields["data"]).astype(np.float32)
-        return self._decode(fields, ctx.consts)
+        return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode, fields, ctx.consts)
 
     def attend(self, q: Any, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
         """Score ``gamma_j <R q, v_hat_j>`` from the codes; un-rotate the output once (octopus values)."""
         if is_cuda_input(q):
             return self._gpu().attend(q, kfields, vfields, ctx, scale)
         b, hq, lq, d = q.shape
+        return threads.run(b * hq * lq * ctx.shape[2] * d, self._attend, q, kfields, vfields, ctx, scale)
+
+    def _attend(self, q: Any, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
+        b, hq, lq, d = q.shape
         hk = ctx.shape[1]
         signs = np.ascontiguousarray(ctx.consts["signs"])
         qr = cpu_octopus.signed_rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d), signs, self.inv_sqrt_d)
         fp16 = self.spec.values == "fp16"
-        empty_codes = np.zeros((1, 1, 1, 1), np.uint8)
-        empty_f32 = np.zeros((1, 1, 1), np.float32)
         out, lse = cpu_attend_octopus.attend_octopus(
             qr, np.ascontiguousarray(kfields["codes"]), as_float32(kfields["norm"]),
-            empty_codes if fp16 else np.ascontiguousarray(vfields["codes"]),
-            empty_f32 if fp16 else as_float32(vfields["norm"]),
-            half_bits(vfields["data"]) if fp16 else np.zeros((1, 1, 1, 1), np.uint16), fp16,
+            _NO_CODES if fp16 else np.ascontiguousarray(vfields["codes"]),
+            _NO_NORMS if fp16 else as_float32(vfields["norm"]),
+            half_bits(vfields["data"]) if fp16 else _NO_HALVES, fp16,
             *self._books(ctx.consts), np.float32(scale))
         if not fp16:
             out = cpu_octopus.signed_unrotate(out, signs, self.inv_sqrt_d)

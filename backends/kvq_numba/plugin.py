@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from kvq_core.dispatch.table import register_paged_kernel
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.registry import make_spec
@@ -80,8 +81,14 @@ def _available() -> tuple[bool, str | None]:
     return True, None
 
 
+#: ``kvq::attend_paged`` (CPU: the same kernels through the page table; other specs and CUDA: torch's)
+PAGED = "kvq_numba.paged:PagedNumba"
+
+
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
+    for method in KERNELS:
+        register_paged_kernel(NAME, method, PAGED)
     register(BackendInfo(NAME, KERNELS, NumbaArrays(), _available, supports=supports,
                          summary="Numba: @njit CPU kernels; numba.cuda kernels for CUDA input"))
 

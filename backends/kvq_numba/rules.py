@@ -1,10 +1,18 @@
-"""Scalar coding rules shared by the CPU (``@njit``) and CUDA (``@cuda.jit``) kernels.
+"""Scalar coding rules shared by the CPU (``@njit``) and CUDA (``@cuda.jit``) kernels, written once.
 
-``register_jitable`` makes each function callable from both targets (and as plain Python under
-the CUDA simulator), so a code decision is written once. They repeat the reference's float32
-operations in its order (kvq_numpy.intquant, kvq_numpy.octopus).
+They repeat the reference's float32 operations in its order (kvq_numpy.intquant,
+kvq_numpy.octopus). The CPU kernels call them as they are (``register_jitable``). The CUDA
+kernels call the copies :func:`for_target` makes (``kvq_numba.gpu_common``): the same code
+objects with the CUDA target's :func:`rint` (libdevice ``rintf``, a ``cvt.rni`` instruction:
+round half to even like ``np.rint``, which numba-cuda does not compile) and each rule calling
+the other copies. Only float32 arithmetic, ``min``/``max``/``abs``, ``math.sqrt`` and
+:data:`rint` appear here, so each target compiles the same steps.
 """
 from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
 
 import numpy as np
 from numba.extending import register_jitable
@@ -13,6 +21,8 @@ from numba.extending import register_jitable
 ZERO_INTEGER, ZERO_MIN = 0, 1
 #: (xi, eta) index offsets joint rounding tries, centre first (kvq_numpy.octopus._NEIGHBOURS)
 NEIGHBOURS = np.array([(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)], np.int64)
+#: round half to even, float32 -> float32 (the CPU target's; for_target swaps in another target's)
+rint = np.rint
 
 
 @register_jitable
@@ -24,7 +34,7 @@ def group_params(mn, mx, levels, zero_mode):
     if mx > mn:
         s = (mx - mn) / levels
         if zero_mode == 0:
-            zq = np.rint(-mn / s)
+            zq = rint(-mn / s)
             return s, zq, -zq * s, True
         return s, np.float32(0), mn, True
     return np.float32(0), np.float32(0), mn, False
@@ -33,7 +43,7 @@ def group_params(mn, mx, levels, zero_mode):
 @register_jitable
 def int_code(x, s, zq, mn, levels, zero_mode):
     """One code, clipped to [0, levels]: ``rint(x / s + zq)`` or ``rint((x - mn) / s)``."""
-    q = np.rint(x / s + zq) if zero_mode == 0 else np.rint((x - mn) / s)
+    q = rint(x / s + zq) if zero_mode == 0 else rint((x - mn) / s)
     return min(max(q, np.float32(0)), levels)
 
 
@@ -80,5 +90,21 @@ def triplet_code(x, y, z, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rh
         i_xi, i_eta = bx, be
         i_rho = bucket(rho_th, max(best_s, np.float32(0)))
     else:
-        i_rho = bucket(rho_th, np.sqrt(x * x + y * y + z * z))
+        i_rho = bucket(rho_th, np.float32(math.sqrt(x * x + y * y + z * z)))
     return (i_xi << (eta_bits + rho_bits)) | (i_eta << rho_bits) | i_rho
+
+
+#: the rules for_target rebuilds, callees before their callers
+RULES = ("bucket", "sgn", "group_params", "int_code", "triplet_code")
+
+
+def for_target(jit: Callable[[Callable], Callable], target_rint: Callable) -> dict[str, Callable]:
+    """Every rule of :data:`RULES` compiled by ``jit`` (e.g. an inlined CUDA device function), with
+    ``target_rint`` for :data:`rint` and the rules they call replaced by these copies: one source,
+    no second implementation to keep equal."""
+    made: dict[str, Callable] = {}
+    for name in RULES:
+        fn = globals()[name]
+        scope = {**fn.__globals__, "rint": target_rint, **made}
+        made[name] = jit(types.FunctionType(fn.__code__, scope, name, fn.__defaults__, fn.__closure__))
+    return made

@@ -13,9 +13,9 @@ CHANNEL_AXIS = 3
 
 
 def _rotate(x: np.ndarray, ctx: KernelContext) -> np.ndarray:
-    """x H by the spec's dense float32 H (its own inverse, so this also un-rotates); identity without rotation."""
+    """x H by the fast transform (its own inverse, so this also un-rotates); identity without rotation."""
     x = np.asarray(x, np.float32)
-    return hadamard(x, ctx.consts["hadamard"]) if "hadamard" in ctx.consts else x
+    return hadamard(x) if "hadamard" in ctx.consts else x
 
 
 class QuaRotKernels:

@@ -21,9 +21,9 @@ from kvq_numpy.attention import by_kv_head, from_kv_head
 Consts = dict[str, np.ndarray]
 
 
-def hadamard(x: np.ndarray, matrix: np.ndarray | None = None) -> np.ndarray:
-    """x H on the last axis, by the fast transform or, given the dense H, as ``x @ matrix``; its own inverse."""
-    return fwht(x) if matrix is None else x @ matrix
+def hadamard(x: np.ndarray) -> np.ndarray:
+    """x H on the last axis, by the fast transform; its own inverse."""
+    return fwht(x)
 
 
 def _per_head(signs: np.ndarray) -> np.ndarray:

@@ -13,7 +13,8 @@ Contents:
   in :mod:`kvq_core.dispatch`);
 - :func:`pack_codes` / :func:`unpack_codes`: the bit rule of :mod:`kvq_core.layout`;
 - :func:`fwht`: the butterfly of :func:`kvq_core.math.hadamard.fwht`, stage for stage;
-- :func:`hadamard_rotate`: the same rotation as one matmul (compile-friendly);
+- :func:`hadamard_rotate`: the same rotation as a matmul by the core's <= 128-wide factor plus
+  butterfly stages (compile-friendly);
 - :func:`tree_sum`: an order-fixed float32 sum (eager and inductor add in the same order);
 - :func:`sqrt32`: a correctly rounded float32 square root (eager ``torch.sqrt`` is not);
 - :func:`asym_quantize` / :func:`asym_dequantize`: the asymmetric min/max group quantizer of
@@ -150,17 +151,31 @@ def _inv_sqrt(d: int) -> float:
 
 
 def hadamard_rotate(x: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
-    """``x @ H`` for the core's orthonormal (block) Sylvester matrix ``H`` (float32), as one matmul.
+    """``x @ H_d`` given the core's dense factor ``H_m`` (``hadamard``, float32, m <= 128:
+    :func:`kvq_core.math.hadamard.dense_hadamard_block`): ``H_m`` on each run of m coordinates as
+    one matmul, then the butterfly stages of half-width m .. B/2, never a d x d matrix.
 
-    Computed as ``(x @ sign(H)) * float32(1/sqrt(d))``: the +-1 products are exact, so wherever
+    Computed as ``(x @ sign(H_m)) * float32(1/sqrt(B))``: the +-1 products are exact, so wherever
     the partial sums are exactly representable (constant, integer or zero inputs) the result is
     bit-identical to the reference butterfly (:func:`fwht`), which also scales last; otherwise it
-    differs by float32 rounding only. Unlike the butterfly it stays one BLAS call under
-    torch.compile (inductor would inline the butterfly's stages into every consumer) and gives
+    differs by float32 rounding only. Unlike a full butterfly it stays one BLAS call under
+    torch.compile at d <= 128 (inductor would inline the stages into every consumer) and gives
     the same bits eager and compiled.
     """
     x = x.to(torch.float32)
-    return (x @ torch.sign(hadamard)) * _inv_sqrt(hadamard_block(int(x.shape[-1])))
+    d, m = int(x.shape[-1]), int(hadamard.shape[-1])
+    block = hadamard_block(d)
+    lead = x.shape[:-1]
+    y = x.reshape(*lead, d // m, m) @ torch.sign(hadamard)
+    h = m
+    if h < block:
+        y = y.reshape(-1, d)
+        while h < block:
+            y = y.reshape(-1, d // (2 * h), 2, h)
+            top, bottom = y[:, :, 0, :], y[:, :, 1, :]
+            y = torch.stack((top + bottom, top - bottom), dim=2)
+            h *= 2
+    return y.reshape(*lead, d) * _inv_sqrt(block)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -209,6 +224,19 @@ def group_channels(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
 
 
+def group_range(x: torch.Tensor, dim: int, clip_ratio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range ``(mn, mx)`` (kept dims) that :func:`asym_quantize` codes per slice along ``dim``:
+    the slice's min and max, or with ``clip_ratio`` < 1 ``rho * min(mn, 0)``, ``rho * max(mx, 0)``."""
+    x = x.to(torch.float32)
+    mn = x.amin(dim=dim, keepdim=True)
+    mx = x.amax(dim=dim, keepdim=True)
+    if clip_ratio != 1.0:
+        ratio = float(torch.tensor(clip_ratio, dtype=torch.float32))
+        mn = ratio * torch.clamp(mn, max=0.0)
+        mx = ratio * torch.clamp(mx, min=0.0)
+    return mn, mx
+
+
 def asym_quantize(
     x: torch.Tensor, bits: int, dim: int, zero_point: str = "integer", clip_ratio: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -227,12 +255,7 @@ def asym_quantize(
     """
     x = x.to(torch.float32)
     levels = float(2**bits - 1)
-    mn = x.amin(dim=dim, keepdim=True)
-    mx = x.amax(dim=dim, keepdim=True)
-    if clip_ratio != 1.0:
-        ratio = float(torch.tensor(clip_ratio, dtype=torch.float32))
-        mn = ratio * torch.clamp(mn, max=0.0)
-        mx = ratio * torch.clamp(mx, min=0.0)
+    mn, mx = group_range(x, dim, clip_ratio)
     if zero_point == "integer":
         all_zero = (mn == 0) & (mx == 0)
         mn = torch.where(all_zero, -1.0, mn)

@@ -133,6 +133,13 @@ class CompiledMethod:
     def decode_values(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
         return self._fn("decode_values", ctx)(self._fields("values", fields), ctx.consts, ctx.layer, ctx.shape[2])
 
+    def clips(self, kind: str) -> bool:
+        return self.impl.clips(kind)
+
+    def ste_grad(self, x: torch.Tensor, grad: torch.Tensor, ctx: TorchContext, kind: str) -> torch.Tensor:
+        """Eager: it runs in a backward pass, for the few codecs that clip."""
+        return self.impl.ste_grad(x, grad, ctx, kind)
+
     def attend(self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext,
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         scale_t = torch.tensor(float(scale), dtype=torch.float32, device=q.device)

@@ -50,8 +50,9 @@ class OscarTorch(TorchMethod):
     """OScaR on torch, float32 throughout."""
 
     def _rotate(self, x: torch.Tensor, ctx: TorchContext) -> torch.Tensor:
-        """``x @ H`` (H is its own inverse) with :func:`hadamard_rotate`: one matmul in eager and
-        compiled code alike (bit-identical codes), exact where the reference butterfly is."""
+        """``x @ H`` (H is its own inverse) with :func:`hadamard_rotate`: one matmul (plus butterfly
+        stages above 128 coordinates) in eager and compiled code alike (bit-identical codes), exact
+        where the reference butterfly is."""
         return hadamard_rotate(x, ctx.consts["hadamard"]) if self.spec.rotation else x.to(torch.float32)
 
     def _codes(self, fields: Fields) -> torch.Tensor:

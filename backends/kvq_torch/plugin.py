@@ -9,21 +9,31 @@
 Adding a method: write one :class:`kvq_torch.common.TorchMethod` subclass in
 ``kvq_torch/<method>.py`` and add one line to ``KERNELS``; a third-party plugin registers its
 subclass with the ``kvq_register_kernels`` hook instead (``kernel_entry`` routes it the same way).
+
+Importing this module does not import torch (only checks it is installed): torch loads when a
+kernel or the array adapter is first used, so ``kvq_core`` with a NumPy or Numba quantizer
+never pays for it.
 """
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 from collections.abc import Callable
+from typing import Any
 
-import torch
-
-from kvq_core.dispatch.arrays import TorchArrays
 from kvq_core.dispatch.calls import op_backend
+from kvq_core.dispatch.table import register_paged_kernel
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo, Deferred
-from kvq_torch.compiled import compiled
+
+if importlib.util.find_spec("torch") is None:  # no torch: this plugin registers nothing, with the reason
+    raise ModuleNotFoundError("No module named 'torch' (pip install torch)", name="torch")
+
+#: the torch array adapter, imported (with torch) on first use
+ARRAYS = "kvq_core.dispatch.arrays:TorchArrays"
 
 #: method name -> TorchMethod subclass (lazy: a module that fails to import disables one method).
 KERNELS: dict[str, str] = {
@@ -40,6 +50,9 @@ KERNELS: dict[str, str] = {
 
 EAGER, COMPILED = "torch", "torch-compiled"
 
+#: ``kvq::attend_paged`` for every method: decode the pages, masked softmax (the fallback of every backend)
+PAGED = "kvq_torch.paged:PagedTorch"
+
 
 @functools.lru_cache(maxsize=1)
 def _compiled_available() -> tuple[bool, str | None]:
@@ -47,18 +60,34 @@ def _compiled_available() -> tuple[bool, str | None]:
     candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
     if not any(c and shutil.which(c) for c in candidates):
         return False, "torch.compile (inductor) needs a C++ compiler (g++/clang++) for CPU kernels; none on PATH"
-    try:
-        import torch._inductor  # noqa: F401
-    except Exception as exc:  # pragma: no cover - broken torch install
-        return False, f"torch._inductor failed to import: {type(exc).__name__}: {exc}"
+    torch_spec = importlib.util.find_spec("torch")  # torch itself is not imported to answer
+    places = torch_spec.submodule_search_locations if torch_spec is not None else None
+    if not places or not any(os.path.isdir(os.path.join(p, "_inductor")) for p in places):
+        return False, "this torch has no torch._inductor (torch.compile's code generator)"  # pragma: no cover
     return True, None
+
+
+def compiled(cls: Any) -> Any:
+    """:func:`kvq_torch.compiled.compiled` (imported with torch when the kernels resolve)."""
+    from kvq_torch.compiled import compiled as compile_kernels
+
+    return compile_kernels(cls)
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # a source build without metadata
+        return "(version unknown)"
 
 
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
-    arrays = TorchArrays()
+    arrays = ARRAYS
+    for method in KERNELS:
+        register_paged_kernel(EAGER, method, PAGED)
     register(BackendInfo(EAGER, op_backend(EAGER, KERNELS), arrays,
-                         summary=f"PyTorch {torch.__version__} eager: kvq:: custom ops (CPU/CUDA; compile/export friendly)",
+                         summary=f"PyTorch {_torch_version()} eager: kvq:: custom ops (CPU/CUDA; compile/export friendly)",
                          kernel_entry=_eager_entry))
     compiled_kernels = {m: Deferred(ref, compiled) for m, ref in KERNELS.items()}
     register(BackendInfo(COMPILED, op_backend(COMPILED, compiled_kernels), arrays, _compiled_available,
@@ -67,7 +96,9 @@ def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
 
 
 def _eager_entry(method: str, ref: object) -> object:
-    """A plugin's TorchMethod subclass (or its reference) for ``method``, served through the kvq:: ops."""
+    """A plugin's TorchMethod subclass (or its reference) for ``method``, served through the kvq:: ops
+    (``kvq::attend_paged`` too, by the decoding fallback)."""
+    register_paged_kernel(EAGER, method, PAGED)
     return op_backend(EAGER, {method: ref})[method]
 
 

@@ -1,5 +1,5 @@
 """Torch kernels of ``quarot`` (mirrors ``kvq_numpy/quarot.py``): Hadamard per head (the core's
-dense matrix), then per-token asymmetric INT-b with group = head_dim and
+dense factor by :func:`~kvq_torch.common.hadamard_rotate`), then per-token asymmetric INT-b with group = head_dim and
 QuaRot's clipping of the range (``clip_ratio``)."""
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from kvq_torch.common import (
     asym_dequantize,
     asym_quantize,
     group_channels,
+    group_range,
+    hadamard_rotate,
     pack_codes,
     softmax_attend,
     unpack_codes,
@@ -19,9 +21,8 @@ from kvq_torch.common import (
 
 
 def _rotate(x: torch.Tensor, ctx: TorchContext) -> torch.Tensor:
-    """x H with the core's matrix (symmetric, its own inverse); identity without rotation."""
-    x = x.to(torch.float32)
-    return x @ ctx.consts["hadamard"] if "hadamard" in ctx.consts else x
+    """x H (symmetric, its own inverse) by the fast transform; identity without rotation."""
+    return hadamard_rotate(x, ctx.consts["hadamard"]) if "hadamard" in ctx.consts else x.to(torch.float32)
 
 
 class QuaRotTorch(TorchMethod):
@@ -41,6 +42,18 @@ class QuaRotTorch(TorchMethod):
 
     def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
         return _rotate(self._decode_rotated(fields), ctx)
+
+    def clips(self, kind: str) -> bool:
+        """``clip_ratio`` < 1 cuts each token's rotated range (QuaRot's clipping)."""
+        return self.spec.clip_ratio < 1.0
+
+    def ste_grad(self, x: torch.Tensor, grad: torch.Tensor, ctx: TorchContext, kind: str) -> torch.Tensor:
+        """Straight-through: exact through the rotation, zero for rotated coordinates outside
+        their token's clipped range (``H`` is its own inverse: ``H (m * H g)``)."""
+        y = group_channels(_rotate(x, ctx), self.spec.head_dim)
+        mn, mx = group_range(y, 4, self.spec.clip_ratio)
+        kept = ((y >= mn) & (y <= mx)).reshape(x.shape)
+        return _rotate(_rotate(grad, ctx) * kept, ctx)
 
     def attend(self, q, kfields: Fields, vfields: Fields, ctx: TorchContext, scale):
         """Score H q against rotated-domain keys; rotate the output back once."""

@@ -14,12 +14,40 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq_triton.config import INTERPRETER
 from kvq_triton.packing import span
 from kvq_triton.tiles import INT_TOKENS, Stored, kernel_args, tile, token_scale
 
 #: ``tl.dot`` precision on a GPU: three TF32 tensor-core products (float32-level accuracy, within
 #: the conformance tolerance); the interpreter computes in float32 ("ieee").
 DOT_PRECISION = "tf32x3"
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, n0, end, bh, d, kc, ka, kb, ks, vc, va, vb, vs, T, HK, k_nb, k_nstat, v_nb,
+                  v_nstat, scale, D: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
+                  K_ONE_GROUP: tl.constexpr, K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_SPAN: tl.constexpr,
+                  K_GROUP: tl.constexpr, K_RHO: tl.constexpr, K_SCALE: tl.constexpr,
+                  V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SPAN: tl.constexpr, V_GROUP: tl.constexpr,
+                  V_RHO: tl.constexpr, V_SCALE: tl.constexpr):
+    """The online-softmax step over the ``BN`` tokens from ``n0``: returns the new (m, l, acc)."""
+    t1 = n0 + tl.arange(0, BN)
+    t_ok = t1 < end
+    t = t1[:, None]
+    k = tile(kc, ka, kb, bh, n0, t, t_ok[:, None], d, T, k_nb, k_nstat, D, K_KIND, K_BITS, K_SPAN, K_GROUP,
+             K_RHO, K_ONE_GROUP)
+    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    logits = logits * token_scale(ks, bh, t1, t_ok, T, HK, K_SCALE)[None, :]
+    logits = tl.where(t_ok[None, :], logits * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tile(vc, va, vb, bh, n0, t, t_ok[:, None], d, T, v_nb, v_nstat, D, V_KIND, V_BITS, V_SPAN, V_GROUP,
+             V_RHO, False)
+    v = v * token_scale(vs, bh, t1, t_ok, T, HK, V_SCALE)[:, None]
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
 
 @triton.jit
 def _attend_split_kernel(
@@ -42,24 +70,20 @@ def _attend_split_kernel(
     acc = tl.zeros((BM, DP), tl.float32)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, T)
-    for n0 in range(start, end, BN):
-        t1 = n0 + tl.arange(0, BN)
-        t_ok = t1 < end
-        t = t1[:, None]
-        k = tile(kc, ka, kb, bh, n0, t, t_ok[:, None], d, T, k_nb, k_nstat, D, K_KIND, K_BITS, K_SPAN, K_GROUP,
-                 K_RHO, K_ONE_GROUP)
-        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        logits = logits * token_scale(ks, bh, t1, t_ok, T, HK, K_SCALE)[None, :]
-        logits = tl.where(t_ok[None, :], logits * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(logits - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tile(vc, va, vb, bh, n0, t, t_ok[:, None], d, T, v_nb, v_nstat, D, V_KIND, V_BITS, V_SPAN, V_GROUP,
-                 V_RHO, False)
-        v = v * token_scale(vs, bh, t1, t_ok, T, HK, V_SCALE)[:, None]
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
+    if INTERPRETER:  # run-time loop bounds: see kvq_triton.config.INTERPRETER
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, n0, end, bh, d, kc, ka, kb, ks, vc, va, vb, vs, T, HK,
+                                          k_nb, k_nstat, v_nb, v_nstat, scale, D, BN, PRECISION, K_ONE_GROUP,
+                                          K_KIND, K_BITS, K_SPAN, K_GROUP, K_RHO, K_SCALE,
+                                          V_KIND, V_BITS, V_SPAN, V_GROUP, V_RHO, V_SCALE)
+            n0 += BN
+    else:
+        for n0 in range(start, end, BN):
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, n0, end, bh, d, kc, ka, kb, ks, vc, va, vb, vs, T, HK,
+                                          k_nb, k_nstat, v_nb, v_nstat, scale, D, BN, PRECISION, K_ONE_GROUP,
+                                          K_KIND, K_BITS, K_SPAN, K_GROUP, K_RHO, K_SCALE,
+                                          V_KIND, V_BITS, V_SPAN, V_GROUP, V_RHO, V_SCALE)
     part = (bh.to(tl.int64) * n_splits + split) * R + rows
     tl.store(m_part + part, m_i, mask=row_ok)
     tl.store(l_part + part, l_i, mask=row_ok)
@@ -69,21 +93,27 @@ def _attend_split_kernel(
 @triton.jit
 def _combine_kernel(o_part, m_part, l_part, out_ptr, lse_ptr, R, n_splits,
                     D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr):
+    """Merges a row block's splits by log-sum-exp (few splits: ``while`` loops, which every
+    Triton interpreter takes with a run-time bound, see kvq_triton.config.INTERPRETER)."""
     bh = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     d = tl.arange(0, DP)[None, :]
     row_ok = rows < R
     base = bh.to(tl.int64) * n_splits * R + rows
     m = tl.full((BM,), float("-inf"), tl.float32)
-    for s in range(n_splits):
+    s = 0
+    while s < n_splits:
         m = tl.maximum(m, tl.load(m_part + base + s * R, mask=row_ok, other=0.0))
+        s += 1
     total = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, DP), tl.float32)
-    for s in range(n_splits):
+    s = 0
+    while s < n_splits:
         w = tl.exp(tl.load(m_part + base + s * R, mask=row_ok, other=0.0) - m)
         total += w * tl.load(l_part + base + s * R, mask=row_ok, other=0.0)
         o = tl.load(o_part + (base + s * R)[:, None] * D + d, mask=row_ok[:, None] & (d < D), other=0.0)
         acc += w[:, None] * o
+        s += 1
     out_rows = bh.to(tl.int64) * R + rows
     tl.store(out_ptr + out_rows[:, None] * D + d, acc / total[:, None], mask=row_ok[:, None] & (d < D))
     tl.store(lse_ptr + out_rows, m + tl.log(total), mask=row_ok)

@@ -19,23 +19,25 @@ from kvq_triton.packing import pack_rows
 
 
 @triton.jit
-def searchsorted(x, thresholds, n):
-    """Index of the centroid nearest to ``x``: the count of the ``n`` sorted thresholds <= x."""
+def searchsorted(x, thresholds, N: tl.constexpr):
+    """Index of the centroid nearest to ``x``: the count of the ``N`` sorted thresholds <= x.
+    ``N`` is a compile-time bound: a run-time one is a tensor, which the interpreter of Triton
+    < 3.9 cannot take as a loop bound on NumPy >= 2.5."""
     idx = tl.zeros(x.shape, tl.int32)
-    for k in range(n):
+    for k in range(N):
         idx += (x >= tl.load(thresholds + k)).to(tl.int32)
     return idx
 
 
 @triton.jit
-def _coordinate_kernel(v_ptr, codes_ptr, norm_ptr, rows, thresholds, n_thresholds, centroids,
+def _coordinate_kernel(v_ptr, codes_ptr, norm_ptr, rows, thresholds, centroids, N_THRESHOLDS: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, NORM_CORRECTION: tl.constexpr):
     r1 = tl.program_id(0) * RB + tl.arange(0, RB)
     r = r1[:, None]
     d = tl.arange(0, DP)[None, :]
     ok = (r < rows) & (d < D)
     at = r.to(tl.int64) * D + d
-    idx = searchsorted(tl.load(v_ptr + at, mask=ok, other=0.0), thresholds, n_thresholds)
+    idx = searchsorted(tl.load(v_ptr + at, mask=ok, other=0.0), thresholds, N_THRESHOLDS)
     tl.store(codes_ptr + at, idx, mask=ok)
     if NORM_CORRECTION:
         c = tl.where(ok, tl.load(centroids + idx, mask=ok, other=0.0), 0.0)
@@ -56,7 +58,7 @@ def coordinate_codes(v: torch.Tensor, norm: torch.Tensor, bits: int, thresholds:
         dp = max(16, triton.next_power_of_2(d))
         rb = max(1, config.tile() // dp)
         _coordinate_kernel[(triton.cdiv(rows, rb),)](
-            v, codes, norm, rows, thresholds.contiguous(), thresholds.numel(), centroids.contiguous(),
+            v, codes, norm, rows, thresholds.contiguous(), centroids.contiguous(), N_THRESHOLDS=thresholds.numel(),
             D=d, DP=dp, RB=rb, NORM_CORRECTION=norm_correction, enable_fp_fusion=False)
     return {"codes": pack_rows(codes, bits), "norm": norm}
 
@@ -77,7 +79,8 @@ def _dot3(t0, t1, t2, directions, index):
 
 
 @triton.jit
-def _triplet_kernel(v_ptr, codes_ptr, rows, n_triplets, xi_thr, n_xi, eta_thr, n_eta, rho_thr, n_rho, directions,
+def _triplet_kernel(v_ptr, codes_ptr, rows, n_triplets, xi_thr, eta_thr, rho_thr, directions,
+                    N_XI: tl.constexpr, N_ETA: tl.constexpr, N_RHO: tl.constexpr,
                     D: tl.constexpr, TP: tl.constexpr, RB: tl.constexpr, RHO_BITS: tl.constexpr, JOINT: tl.constexpr):
     r = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
     i = tl.arange(0, TP)[None, :]
@@ -96,10 +99,10 @@ def _triplet_kernel(v_ptr, codes_ptr, rows, n_triplets, xi_thr, n_xi, eta_thr, n
     lower = pz < 0
     xi = tl.where(lower, _sgn(px) * (1 - tl.abs(py)), px)
     eta = tl.where(lower, _sgn(py) * (1 - tl.abs(px)), py)
-    i_xi = searchsorted(xi, xi_thr, n_xi)
-    i_eta = searchsorted(eta, eta_thr, n_eta)
-    k_xi = n_xi + 1
-    k_eta = n_eta + 1
+    i_xi = searchsorted(xi, xi_thr, N_XI)
+    i_eta = searchsorted(eta, eta_thr, N_ETA)
+    k_xi = N_XI + 1
+    k_eta = N_ETA + 1
     if JOINT:  # spec 1.8: the 3x3 neighbour maximising <t, n_hat> (centre first, first maximum kept)
         best = i_xi * k_eta + i_eta
         best_s = _dot3(t0, t1, t2, directions, best)
@@ -112,10 +115,10 @@ def _triplet_kernel(v_ptr, codes_ptr, rows, n_triplets, xi_thr, n_xi, eta_thr, n
                     take = s > best_s
                     best = tl.where(take, c, best)
                     best_s = tl.where(take, s, best_s)
-        i_rho = searchsorted(tl.maximum(best_s, 0.0), rho_thr, n_rho)
+        i_rho = searchsorted(tl.maximum(best_s, 0.0), rho_thr, N_RHO)
     else:
         best = i_xi * k_eta + i_eta
-        i_rho = searchsorted(tl.math.sqrt_rn((t0 * t0 + t1 * t1) + t2 * t2), rho_thr, n_rho)
+        i_rho = searchsorted(tl.math.sqrt_rn((t0 * t0 + t1 * t1) + t2 * t2), rho_thr, N_RHO)
     tl.store(codes_ptr + r.to(tl.int64) * n_triplets + i, (best << RHO_BITS) | i_rho, mask=ok)
 
 
@@ -130,9 +133,9 @@ def triplet_codes(v: torch.Tensor, bits: int, n_triplets: int, rho_bits: int, jo
         tp = triton.next_power_of_2(n_triplets)
         rb = max(1, config.tile() // (4 * tp))
         _triplet_kernel[(triton.cdiv(rows, rb),)](
-            v, codes, rows, n_triplets,
-            consts["xi_thresholds"], consts["xi_thresholds"].numel(),
-            consts["eta_thresholds"], consts["eta_thresholds"].numel(),
-            consts["rho_thresholds"], consts["rho_thresholds"].numel(), consts["directions"].contiguous(),
-            D=d, TP=tp, RB=rb, RHO_BITS=rho_bits, JOINT=joint, enable_fp_fusion=False)
+            v, codes, rows, n_triplets, consts["xi_thresholds"], consts["eta_thresholds"], consts["rho_thresholds"],
+            consts["directions"].contiguous(),
+            N_XI=consts["xi_thresholds"].numel(), N_ETA=consts["eta_thresholds"].numel(),
+            N_RHO=consts["rho_thresholds"].numel(), D=d, TP=tp, RB=rb, RHO_BITS=rho_bits, JOINT=joint,
+            enable_fp_fusion=False)
     return pack_rows(codes, bits)

@@ -27,19 +27,22 @@ def rint(x):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, A, L, C, group, n_groups,
-                     BITS: tl.constexpr, INTEGER_ZERO: tl.constexpr,
+def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, A, L, C, n_groups,
+                     GROUP: tl.constexpr, BITS: tl.constexpr, INTEGER_ZERO: tl.constexpr,
                      AB: tl.constexpr, GB: tl.constexpr, CB: tl.constexpr):
+    """One program per (row block, group, channel block). The loops over a group's ``GB``-sized
+    chunks have compile-time bounds (``GROUP``): a run-time bound is a tensor, which the
+    interpreter of Triton < 3.9 cannot take as a loop bound on NumPy >= 2.5."""
     g = tl.program_id(0) % n_groups  # (row block, group) flattened on axis 0: no 65535 limit
     a = (tl.program_id(0) // n_groups) * AB + tl.arange(0, AB)[:, None, None]
     c = tl.program_id(1) * CB + tl.arange(0, CB)[None, None, :]
-    lo = g * group
-    hi = tl.minimum(lo + group, L)
+    lo = g * GROUP
+    hi = tl.minimum(lo + GROUP, L)
     inside = (a < A) & (c < C)
     mn = tl.full((AB, 1, CB), float("inf"), tl.float32)
     mx = tl.full((AB, 1, CB), float("-inf"), tl.float32)
-    for start in range(lo, hi, GB):
-        l = start + tl.arange(0, GB)[None, :, None]
+    for step in range(0, GROUP, GB):
+        l = lo + step + tl.arange(0, GB)[None, :, None]
         ok = inside & (l < hi)
         x = tl.load(x_ptr + (a.to(tl.int64) * L + l) * C + c, mask=ok, other=0.0)
         mn = tl.minimum(mn, tl.expand_dims(tl.min(tl.where(ok, x, float("inf")), axis=1), 1))
@@ -61,8 +64,8 @@ def _quantize_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, A, L, C, group, n_
     stat = (a.to(tl.int64) * n_groups + g) * C + c
     tl.store(scale_ptr + stat, s.to(tl.float16), mask=inside)
     tl.store(offset_ptr + stat, offset.to(tl.float16), mask=inside)
-    for start in range(lo, hi, GB):
-        l = start + tl.arange(0, GB)[None, :, None]
+    for step in range(0, GROUP, GB):
+        l = lo + step + tl.arange(0, GB)[None, :, None]
         ok = inside & (l < hi)
         at = (a.to(tl.int64) * L + l) * C + c
         x = tl.load(x_ptr + at, mask=ok, other=0.0)
@@ -99,6 +102,6 @@ def quantize(x: torch.Tensor, bits: int, group: int, along_tokens: bool, integer
         gb, cb = triton.next_power_of_2(group), 1
         ab = max(1, config.tile() // gb)
     grid = (triton.cdiv(A, ab) * n_groups, triton.cdiv(C, cb))
-    _quantize_kernel[grid](x, codes, scale, offset, A, L, C, group, n_groups, BITS=bits,
+    _quantize_kernel[grid](x, codes, scale, offset, A, L, C, n_groups, GROUP=group, BITS=bits,
                            INTEGER_ZERO=integer_zero, AB=ab, GB=gb, CB=cb, enable_fp_fusion=False)
     return {"codes": pack_rows(codes, bits), "scale": scale, "offset": offset}

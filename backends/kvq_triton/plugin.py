@@ -15,10 +15,9 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
-from typing import Any
 
-from kvq_core.dispatch.arrays import TorchArrays
 from kvq_core.dispatch.calls import op_backend
+from kvq_core.dispatch.table import register_paged_kernel
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.spec import MethodSpec
@@ -79,7 +78,7 @@ def _method_limits(spec: MethodSpec) -> str | None:
 
 def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
     """(ok, reason): can the ``triton`` backend serve ``spec`` on ``device`` (a device type, or
-    None for NumPy input, which :class:`TritonArrays` places where the kernels run)? The reason
+    None for NumPy input, which :class:`kvq_triton.arrays.TritonArrays` places where the kernels run)? The reason
     names the method, parameter or device."""
     if spec.method not in KERNELS:
         return False, f"method {spec.method!r} has no Triton kernels (Triton implements {', '.join(sorted(KERNELS))})"
@@ -101,20 +100,15 @@ def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
     return True, None
 
 
-class TritonArrays(TorchArrays):
-    """Torch tensors as they are; NumPy arrays become tensors on the device the kernels run on
-    (CUDA, or the CPU under the interpreter)."""
-
-    def asarray(self, x: Any) -> Any:
-        t = super().asarray(x)
-        if t.device.type == "cpu" and not isinstance(x, type(t)) and not interpreting() and _cuda():
-            return t.cuda()
-        return t
+#: ``kvq::attend_paged`` (oscar, kivi, octopus in Triton; other specs: torch's fallback)
+PAGED = "kvq_triton.paged:PagedTriton"
 
 
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
-    register(BackendInfo(NAME, op_backend(NAME, KERNELS), TritonArrays(), is_available,
+    for method in KERNELS:
+        register_paged_kernel(NAME, method, PAGED)
+    register(BackendInfo(NAME, op_backend(NAME, KERNELS), "kvq_triton.arrays:TritonArrays", is_available,
                          summary="Triton GPU kernels: packed encode/decode, fused split-KV decode attention "
                                  "(CUDA; CPU under TRITON_INTERPRET=1)", supports=supports))
 

@@ -29,7 +29,11 @@ window; kvq OCTOPUS b=3 with the sliding flush, stride 1 and stride 32; transfor
    - ``other``: everything else (projections, MLP, norms, logits, Python).
 
    The instrumentation wraps those functions only for this segment, so it does not slow the
-   timed segments. ``decode`` (inside ``cache`` or ``attention``) is reported beside them.
+   timed segments. ``decode`` (inside ``cache`` or ``attention``) is reported beside them;
+5. ``--contended-repeats`` more segments per cache (default 1; 0: none) at the *default* thread
+   settings (torch's and Numba's thread counts as the process started) while a second process
+   spins on one core: a shared machine as users have it (tokens/s and ratio to DynamicCache in
+   the same conditions, beside the ``--threads`` figures).
 
 kvq caches run with the model's attention implementation set to ``"kvq"`` (decode attends from
 codes) and ``backend="auto"`` (the Numba backend on CPU where it serves the spec; the backend each
@@ -71,7 +75,7 @@ DEFAULT_CONFIGS = (
     "quanto:nbits=4,label=quanto-int4",
 )
 PROMPTS = (2048, 8192)
-QUICK = {"prompts": [160], "new": 4, "repeats": 1, "profile_steps": 4}
+QUICK = {"prompts": [160], "new": 4, "repeats": 1, "profile_steps": 4, "contended_repeats": 0}
 #: untimed steps after the prefill: the first is reported (first attend from codes; Numba kernels
 #: compile or load from their disk cache), the second is a sliding stride's first decode of a block
 #: encoded ahead
@@ -90,6 +94,7 @@ class Run:
     tok: Any = None
     tokens: list[int] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
+    contended: list[float] = field(default_factory=list)
     row: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -279,6 +284,39 @@ def profile(run: Run, model: Any, steps: int) -> None:
     run.row["torch_threads"] = torch.get_num_threads()  # Numba's OpenMP layer can reset it when it starts
 
 
+@contextmanager
+def contended(threads: dict[str, int]) -> Iterator[None]:
+    """Default thread settings (``threads``: torch's and Numba's counts at start) and a second
+    process spinning on one core, both undone afterwards."""
+    import subprocess
+
+    import torch
+
+    numba = sys.modules.get("numba")
+    before = {"torch": torch.get_num_threads(), "numba": numba.get_num_threads() if numba else None}
+    loader = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        if numba is not None and threads.get("numba"):
+            numba.set_num_threads(threads["numba"])
+        torch.set_num_threads(threads["torch"])  # after numba's: setting numba's can reset torch's
+        yield
+    finally:
+        loader.kill()
+        loader.wait()
+        if numba is not None and before["numba"]:
+            numba.set_num_threads(before["numba"])
+        torch.set_num_threads(before["torch"])
+
+
+def contended_segments(runs: list[Run], model: Any, steps: int, repeats: int, threads: dict[str, int]) -> None:
+    """``repeats`` segments per run, round-robin, under :func:`contended`; tokens/s into ``run.contended``."""
+    with contended(threads):
+        for _ in range(repeats):
+            for run in runs:
+                if run.ok:
+                    run.contended.append(steps / segment(run, model, steps))
+
+
 def finish(runs: list[Run], token_elements: int, rows: list[dict[str, Any]]) -> None:
     """Rates, ratios to DynamicCache, KV bytes and matching tokens of one prompt's runs (the
     first is DynamicCache) into ``rows``; frees their caches."""
@@ -288,6 +326,8 @@ def finish(runs: list[Run], token_elements: int, rows: list[dict[str, Any]]) -> 
             continue
         run.row["tokens_per_s"] = statistics.median(run.rates)
         run.row["segment_tokens_per_s"] = list(run.rates)
+        if run.contended:
+            run.row["contended_tokens_per_s"] = statistics.median(run.contended)
         run.row["kv_bytes"] = int(stored(run.cache, token_elements)["bytes"])
         run.row["tokens_at_end"] = run.cache.get_seq_length()
         run.row["generated"] = len(run.tokens)
@@ -297,6 +337,8 @@ def finish(runs: list[Run], token_elements: int, rows: list[dict[str, Any]]) -> 
             continue
         run.row["ratio"] = run.row["tokens_per_s"] / ref.row["tokens_per_s"]
         run.row["kv_bytes_vs_dynamic"] = run.row["kv_bytes"] / ref.row["kv_bytes"]
+        if "contended_tokens_per_s" in run.row and "contended_tokens_per_s" in ref.row:
+            run.row["contended_ratio"] = run.row["contended_tokens_per_s"] / ref.row["contended_tokens_per_s"]
         same = [a == b for a, b in zip(run.tokens, ref.tokens)]
         first_diff = next((i for i, s in enumerate(same) if not s), None)
         run.row["match"] = {"same": sum(same), "of": len(same), "first_diff": first_diff}
@@ -305,6 +347,10 @@ def finish(runs: list[Run], token_elements: int, rows: list[dict[str, Any]]) -> 
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
+
+
+def _num(x: float | None, unit: str = "") -> str:
+    return "-" if x is None else (f"{x:.2f}{unit}" if unit else f"{x:.1f}")
 
 
 def render_md(res: dict[str, Any]) -> str:
@@ -320,27 +366,31 @@ def render_md(res: dict[str, Any]) -> str:
              f"ratio: to DynamicCache on the same prompt in this run. Per-step ms by part (disjoint, summing to the "
              f"step): one instrumented segment of {a['profile_steps']} steps; *codes* is the share of attention spent "
              "in `Quantizer.attend`, *decode* the codec decode inside cache or attention. Same tokens: greedy tokens "
-             "equal to DynamicCache's, position by position (first difference in brackets).", ""]
+             "equal to DynamicCache's, position by position (first difference in brackets)."
+             + (f" *Contended*: median of {a['contended_repeats']} segment(s) at the default thread settings "
+                f"(torch {m['default_threads']['torch']}, Numba {m['default_threads']['numba']} thread(s)) while a "
+                "second process spins on one core." if a.get("contended_repeats") else ""), ""]
     drift = sorted({r["torch_threads"] for r in res["rows"] if r["status"] == "ok"} - {m["threads"]})
     if drift:
         lines += [f"**Warning:** torch ran with {drift} thread(s) by the end of some runs, not {m['threads']}.", ""]
     for prompt in a["prompts"]:
         lines += [f"## prompt {prompt} tokens", "",
-                  "| cache | tokens/s | vs dynamic | first step s | prefill s | step ms | encode | cache | attention "
-                  "(codes) | other | decode | KV MB | vs dynamic | same tokens | backend |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| cache | tokens/s | vs dynamic | contended tokens/s | vs dynamic | first step s | prefill s | step ms "
+                  "| encode | cache | attention (codes) | other | decode | KV MB | vs dynamic | same tokens | backend |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in res["rows"]:
             if r["prompt"] != prompt:
                 continue
             if r["status"] != "ok":
                 reason = " ".join(r["reason"].split()).replace("|", "/")
-                lines.append(f"| {r['label']} | {r['status']}: {reason} |" + " |" * 13)
+                lines.append(f"| {r['label']} | {r['status']}: {reason} |" + " |" * 15)
                 continue
             b, d, mt = r["breakdown_ms"], r["detail_ms"], r["match"]
             diff = "" if mt["first_diff"] is None else f" [{mt['first_diff']}]"
             backend = ", ".join(f"{k} x{v}" for k, v in r["backends"].items()) or "-"
             lines.append(
-                f"| {r['label']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {r['first_step_s']:.2f} | "
+                f"| {r['label']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {_num(r.get('contended_tokens_per_s'))} | "
+                f"{_num(r.get('contended_ratio'), 'x')} | {r['first_step_s']:.2f} | "
                 f"{r['prefill_s']:.1f} | {_ms(d['step'])} | {_ms(b['encode'])} | {_ms(b['cache'])} | "
                 f"{_ms(b['attention'])} ({_ms(d['codes'])}) | {_ms(b['other'])} | {_ms(d['decode'])} | "
                 f"{r['kv_bytes'] / 1e6:.1f} | {r['kv_bytes_vs_dynamic']:.3f} | {mt['same']}/{mt['of']}{diff} | {backend} |")
@@ -395,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="timed segments per cache and prompt (default 3)")
     p.add_argument("--profile-steps", type=int, default=None, help="steps of the instrumented segment (default 128)")
     p.add_argument("--threads", type=int, default=1, help="torch (and Numba) threads (default 1)")
+    p.add_argument("--contended-repeats", type=int, default=None,
+                   help="segments per cache at the default thread settings with a second process loading one core "
+                        "(default 1, --quick 0; 0: none)")
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="CFG",
                    help="caches as METHOD[:k=v,...] (kvq_core.eval.caches): 'dynamic', 'quanto:nbits=4', any kvq "
                         "method with its parameters and residual/flush/stride; DynamicCache always runs as the reference")
@@ -411,13 +464,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    defaults = QUICK if args.quick else {"prompts": list(PROMPTS), "new": 128, "repeats": 3, "profile_steps": 128}
+    defaults = QUICK if args.quick else {"prompts": list(PROMPTS), "new": 128, "repeats": 3, "profile_steps": 128,
+                                         "contended_repeats": 1}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     for name in ("new", "repeats", "profile_steps", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvq bench decode: --{name.replace('_', '-')} must be >= 1")
+    if args.contended_repeats < 0:
+        raise SystemExit("kvq bench decode: --contended-repeats must be >= 0")
     configs = [parse_config(c) for c in args.configs]
     if not any(c.kind == "fp" for c in configs):
         configs.insert(0, parse_config(REFERENCE))
@@ -429,9 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
+    default_threads = {"torch": torch.get_num_threads(), "numba": None}
     try:
         import numba
 
+        default_threads["numba"] = numba.config.NUMBA_NUM_THREADS
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     except ImportError:
         pass
@@ -447,9 +505,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"kvq bench decode: the text has {ids_all.shape[1]} tokens; --prompts asks for {max(args.prompts)}")
     res: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "threads": torch.get_num_threads(), "load_start": round(os.getloadavg()[0], 2), **_versions()},
+                    "threads": torch.get_num_threads(), "default_threads": default_threads,
+                    "load_start": round(os.getloadavg()[0], 2), **_versions()},
         "model": info, "text": source,
         "args": {"prompts": args.prompts, "new": args.new, "repeats": args.repeats, "profile_steps": args.profile_steps,
+                 "contended_repeats": args.contended_repeats,
                  "configs": [c.describe() for c in configs]},
         "rows": [],
     }
@@ -463,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         plan += [partial(start, run, model, ids) for run in runs]
         plan += [partial(timed_segment, run, model, args.new) for _ in range(args.repeats) for run in runs]
         plan += [partial(profile, run, model, args.profile_steps) for run in runs]
+        if args.contended_repeats:
+            plan.append(partial(contended_segments, runs, model, args.new, args.contended_repeats, default_threads))
         plan.append(partial(finish, runs, token_elements, res["rows"]))
     for task in progress(plan, "decode", total=len(plan), enabled=not args.quiet):
         task()

@@ -162,6 +162,64 @@ def bench_one(method: str, params: dict[str, Any], backend: str, tokens: int, he
     return rec
 
 
+#: ``Quantizer.attend`` on a 1-token packed block (numba, OScaR INT2, SmolLM2's 3 KV heads x 64 and
+#: 9 query heads) may cost at most this many microseconds more than the attend kernel it runs
+OVERHEAD_TARGET_US = 15.0
+
+
+def call_overhead(repeats: int = 7, calls: int = 2000) -> dict[str, Any] | None:
+    """The Python cost of one ``Quantizer.attend`` call: its time on a 1-token OScaR INT2 block
+    (numba) minus a direct call of the same ``@njit`` attend kernel on the same prepared arrays,
+    both on one thread (what the quantizer runs a call this small on), timed in this thread's CPU
+    time (``time.thread_time``: a shared machine's preemptions do not count); the query and
+    output rotations (two more ``@njit`` calls) are reported beside it. None without numba."""
+    import kvq_core
+
+    try:
+        q = kvq_core.get_quantizer("oscar", "numba", head_dim=64, bits=2)
+        import numba
+    except (kvq_core.KVQError, ImportError):
+        return None
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 3, 1, 64), dtype=np.float32)
+    query = rng.standard_normal((1, 9, 1, 64), dtype=np.float32)
+    pk, pv = q.encode_keys(k), q.encode_values(k)
+    impl = q.kernels
+    q_rows = np.ascontiguousarray(query.reshape(1, 3, 3, 64))
+    kernel, args = impl.attend_args(impl._rotate(q_rows), pk.fields, pv.fields, 0.125)
+    out, _ = kernel(*args)
+
+    def per_call(fn: Callable[[], Any]) -> float:
+        for _ in range(calls // 10):
+            fn()
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.thread_time()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.thread_time() - t0) / calls)
+        return best * 1e6
+
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        full = per_call(lambda: q.attend(query, pk, pv))
+        direct = per_call(lambda: kernel(*args))
+        rotations = per_call(lambda: (impl._rotate(q_rows), impl._rotate(out)))
+    finally:
+        numba.set_num_threads(threads)
+    return {"method": "oscar", "bits": 2, "backend": "numba", "tokens": 1, "kv_heads": 3, "q_heads": 9, "head_dim": 64,
+            "attend_us": full, "kernel_us": direct, "rotations_us": rotations, "overhead_us": full - direct,
+            "target_us": OVERHEAD_TARGET_US, "met": full - direct <= OVERHEAD_TARGET_US}
+
+
+def _overhead_line(o: dict[str, Any]) -> str:
+    return (f"attend call overhead (numba OScaR INT2, 1-token block, 3 KV heads x 64, 9 query heads, 1 thread, CPU time): "
+            f"Quantizer.attend {o['attend_us']:.1f} us, its attend kernel called directly {o['kernel_us']:.1f} us "
+            f"(+ query/output rotations {o['rotations_us']:.1f} us): overhead **{o['overhead_us']:.1f} us** "
+            f"(target <= {o['target_us']:g} us: {'met' if o['met'] else 'not met'})")
+
+
 def bound(rec: dict[str, Any], memcpy_gbps: float) -> str:
     """"memory" when attend reads packed bytes at >= half the memcpy read rate, else "compute"."""
     return "memory" if rec["attend_gbps_packed"] >= 0.5 * (memcpy_gbps / 2) else "compute"
@@ -202,6 +260,8 @@ def render_md(res: dict[str, Any]) -> str:
               f"**{res['memcpy_gbps']:.2f} GB/s** read+write. Batch 1, {res['kv_heads']} KV heads, GQA {res['gqa']} "
               f"({res['kv_heads'] * res['gqa']} query heads), one query token per head. Times are medians; "
               "ratios matter, not absolute times (shared machine).", ""]
+    if res.get("overhead"):
+        lines += [_overhead_line(res["overhead"]) + ".", ""]
     targets = res.get("targets", [])
     if targets:
         lines += ["## Targets", "", "Attend at 32k tokens, head_dim 128, paired with SDPA fp32 (median of per-repeat ratios).", "",
@@ -316,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"memcpy {res['memcpy_gbps']:.2f} GB/s (read+write); CPU capability {res['machine']['cpu_capability']}",
           flush=True)
+    if "numba" in backends:
+        res["overhead"] = call_overhead()
+        if res["overhead"]:
+            print(_overhead_line(res["overhead"]).replace("**", ""), flush=True)
     for d in args.head_dims:
         for tokens in contexts:
             calls = {name: sdpa_calls(tokens, d, args.kv_heads, args.gqa, dtype)

@@ -1,16 +1,15 @@
 """A torch-tensor backend's :class:`~kvq_core.kernels.MethodKernels`: every call is one ``kvq::`` op
 carrying the backend's name, so a user's ``torch.compile(fullgraph=True)`` or ``torch.export``
-over kvq calls keeps each as one opaque graph node."""
+over kvq calls keeps each as one opaque graph node.
+
+torch is imported when an :class:`OpKernels` is built, not with this module: a plugin registers
+its table entries (:func:`op_backend`) without importing torch."""
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-import torch
-
-import kvq_core.dispatch.ops  # noqa: F401  (defines the kvq:: ops)
 from kvq_core.dispatch.table import register_kernel
-from kvq_core.dispatch.torch_kernels import field_names
 from kvq_core.kernels import Deferred, KernelContext
 from kvq_core.spec import MethodSpec
 
@@ -19,17 +18,24 @@ class OpKernels:
     """The kernels of one method on ``backend``, through the ``kvq::`` ops."""
 
     def __init__(self, backend: str, spec: MethodSpec) -> None:
+        import torch
+
+        import kvq_core.dispatch.ops  # noqa: F401  (defines the kvq:: ops)
+        from kvq_core.dispatch.torch_kernels import field_names
+
+        ops = torch.ops.kvq
+        self.encode_op, self.decode_op, self.attend_op = ops.encode, ops.decode, ops.attend
         self.backend = backend
         self.spec = spec
         self.spec_json = spec.to_json()  # computed here, outside any traced region
         self.names = {kind: field_names(spec, kind) for kind in ("keys", "values")}
 
     def _encode(self, kind: str, x: Any, ctx: KernelContext) -> dict[str, Any]:
-        return dict(zip(self.names[kind], torch.ops.kvq.encode(self.backend, self.spec_json, ctx.layer, kind, x)))
+        return dict(zip(self.names[kind], self.encode_op(self.backend, self.spec_json, ctx.layer, kind, x)))
 
     def _decode(self, kind: str, fields: dict[str, Any], ctx: KernelContext) -> Any:
-        return torch.ops.kvq.decode(self.backend, self.spec_json, ctx.layer, kind,
-                                    [fields[n] for n in self.names[kind]], list(ctx.shape))
+        return self.decode_op(self.backend, self.spec_json, ctx.layer, kind,
+                              [fields[n] for n in self.names[kind]], list(ctx.shape))
 
     def encode_keys(self, k: Any, ctx: KernelContext) -> dict[str, Any]:
         return self._encode("keys", k, ctx)
@@ -43,11 +49,15 @@ class OpKernels:
     def decode_values(self, fields: dict[str, Any], ctx: KernelContext) -> Any:
         return self._decode("values", fields, ctx)
 
+    def fake_quant(self, kind: str, x: Any, ctx: KernelContext) -> Any:
+        """``decode(encode(x))`` in one ``kvq::fake_quant`` op, with a straight-through gradient."""
+        return torch.ops.kvq.fake_quant(self.backend, self.spec_json, ctx.layer, kind, x)
+
     def attend(self, q: Any, kfields: dict[str, Any], vfields: dict[str, Any], ctx: KernelContext,
                scale: float) -> tuple[Any, Any]:
         kf = [kfields[n] for n in self.names["keys"]]
         vf = [vfields[n] for n in self.names["values"]]
-        return torch.ops.kvq.attend(self.backend, self.spec_json, ctx.layer, q, kf, vf, list(ctx.shape), float(scale))
+        return self.attend_op(self.backend, self.spec_json, ctx.layer, q, kf, vf, list(ctx.shape), float(scale))
 
 
 def op_backend(backend: str, kernels: "dict[str, Any]") -> dict[str, Deferred]:

@@ -9,6 +9,10 @@ up in :mod:`kvq_core.dispatch.table`::
     kvq::attend(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields,
                 SymInt[] shape, float scale) -> (Tensor, Tensor)
     kvq::materialize(Tensor x) -> Tensor       (a layout barrier used inside compiled kernels)
+    kvq::attend_paged(str backend, str spec_json, int layer, Tensor q, Tensor pages, Tensor block_table,
+                      Tensor code_lens, Tensor query_start_loc, float scale, Tensor? tail_k, Tensor? tail_v,
+                      Tensor? tail_slot, Tensor? tail_lens) -> (Tensor, Tensor)
+                                               (paged attention, one call per layer and step: kvq_core.paged)
 
 - ``spec_json`` is ``MethodSpec.to_json()``; ``kind`` is ``"keys"`` or ``"values"``; ``x`` is
   ``[batch, kv_heads, tokens, head_dim]`` in any float dtype; ``shape`` is that block shape.
@@ -103,4 +107,117 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape)
 
 
-OPS = {"encode": encode, "decode": decode, "attend": attend, "materialize": materialize}
+# -- paged attention (kvq_core.paged: the meaning of every argument) -------------------------------
+
+ATTEND_PAGED_SCHEMA = ("(str backend, str spec_json, int layer, Tensor q, Tensor pages, Tensor block_table, "
+                       "Tensor code_lens, Tensor query_start_loc, float scale, Tensor? tail_k, Tensor? tail_v, "
+                       "Tensor? tail_slot, Tensor? tail_lens) -> (Tensor, Tensor)")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attend_paged", mutates_args=(), schema=ATTEND_PAGED_SCHEMA)
+def attend_paged(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Tensor,
+                 block_table: torch.Tensor, code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                 tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
+                 tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return run.attend_paged(backend, spec_json, layer, q, pages, block_table, code_lens, query_start_loc, scale,
+                            tail_k, tail_v, tail_slot, tail_lens)
+
+
+@attend_paged.register_fake
+def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
+      code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, tail_k: torch.Tensor | None,
+      tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
+      tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "kvq::attend_paged"
+    torch._check(q.dim() == 3, lambda: f"{op}: q must be [n_tokens, q_heads, head_dim], got {q.dim()}-D")
+    torch._check(q.dtype in FLOAT_DTYPES, lambda: f"{op}: q is {q.dtype}; expected a floating dtype")
+    torch._check(pages.dim() == 4 and pages.dtype == torch.uint8,
+                 lambda: f"{op}: pages must be uint8 [num_blocks, kv_heads, block_size, row_bytes], got "
+                         f"{pages.dtype}{list(pages.shape)}")
+    torch._check(block_table.dim() == 2, lambda: f"{op}: block_table must be [num_reqs, max_blocks]")
+    for name, t in (("block_table", block_table), ("code_lens", code_lens), ("query_start_loc", query_start_loc)):
+        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{op}: {name} is {t.dtype}; expected int32")
+    torch._check(q.shape[1] % pages.shape[1] == 0,
+                 lambda: f"{op}: {q.shape[1]} query heads is not a multiple of {pages.shape[1]} kv heads")
+    torch._check((tail_k is None) == (tail_v is None) == (tail_slot is None) == (tail_lens is None),
+                 lambda: f"{op}: tail_k, tail_v, tail_slot and tail_lens come together or not at all")
+    n, hq, d = q.shape
+    return q.new_empty((n, hq, d), dtype=torch.float32), q.new_empty((n, hq), dtype=torch.float32)
+
+
+OPS = {"encode": encode, "decode": decode, "attend": attend, "materialize": materialize, "attend_paged": attend_paged}
+
+
+# --------------------------------------------------------------------------------------------
+# kvq::fake_quant (quantization-aware training): decode(encode(x)) in one op, differentiable
+#
+#   kvq::fake_quant(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor
+#   kvq::fake_quant_grad(str backend, str spec_json, int layer, str kind, Tensor x, Tensor grad) -> Tensor
+#
+# ``fake_quant`` returns what a cache storing ``x`` hands attention back, in x's shape and dtype
+# (the backend's own encode and decode kernels, composed). Its gradient is straight-through:
+# the identity, except for a codec that clips (``TorchMethod.clips(kind)``), whose gradient
+# ``fake_quant_grad`` computes (``TorchMethod.ste_grad``); which methods clip, and where, is in
+# kvq_core/training.py.
+# --------------------------------------------------------------------------------------------
+FAKE_QUANT_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor"
+FAKE_QUANT_GRAD_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor x, Tensor grad) -> Tensor"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fake_quant", mutates_args=(), schema=FAKE_QUANT_SCHEMA)
+def fake_quant(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+    return run.fake_quant(backend, spec_json, layer, kind, x)
+
+
+@fake_quant.register_fake
+def _(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+    torch._check(x.dim() == 4, lambda: f"kvq::fake_quant: x must be [batch, kv_heads, tokens, head_dim], got {x.dim()}-D")
+    torch._check(x.dtype in FLOAT_DTYPES, lambda: f"kvq::fake_quant: x is {x.dtype}; expected a floating dtype")
+    _layout(spec_json, kind, x.shape)  # checks kind
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fake_quant_grad", mutates_args=(), schema=FAKE_QUANT_GRAD_SCHEMA)
+def fake_quant_grad(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor,
+                    grad: torch.Tensor) -> torch.Tensor:
+    return run.fake_quant_grad(backend, spec_json, layer, kind, x, grad)
+
+
+@fake_quant_grad.register_fake
+def _(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    torch._check(grad.shape == x.shape, lambda: f"kvq::fake_quant_grad: grad {list(grad.shape)} vs x {list(x.shape)}")
+    return grad.new_empty(grad.shape)
+
+
+def _fake_quant_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    backend, spec_json, layer, kind, x = inputs
+    ctx.call = (backend, spec_json, layer, kind)
+    ctx.clips = run.clips(backend, spec_json, kind)
+    if ctx.clips:
+        ctx.save_for_backward(x)
+
+
+def _fake_quant_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    if not ctx.clips:
+        return None, None, None, None, grad
+    (x,) = ctx.saved_tensors
+    return None, None, None, None, torch.ops.kvq.fake_quant_grad(*ctx.call, x, grad)
+
+
+def _fake_quant_grad_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    *call, x, _ = inputs
+    ctx.call = tuple(call)
+    ctx.save_for_backward(x)
+
+
+def _fake_quant_grad_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    """The straight-through map is linear in ``grad`` and symmetric (a mask, or a mask between a
+    rotation and its inverse), and piecewise constant in ``x``: double backward applies it again."""
+    (x,) = ctx.saved_tensors
+    return None, None, None, None, None, torch.ops.kvq.fake_quant_grad(*ctx.call, x, grad)
+
+
+fake_quant.register_autograd(_fake_quant_backward, setup_context=_fake_quant_setup)
+fake_quant_grad.register_autograd(_fake_quant_grad_backward, setup_context=_fake_quant_grad_setup)
+OPS["fake_quant"] = fake_quant
+OPS["fake_quant_grad"] = fake_quant_grad

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvq_core.dispatch.table import kernel, spec_from_json
+from kvq_core.dispatch.table import kernel, paged_kernel, spec_from_json
 from kvq_core.dispatch.torch_kernels import context, field_names
 
 
@@ -48,5 +48,42 @@ def attend(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: l
     vf = dict(zip(field_names(spec, "values"), vfields))
     out, lse = impl.attend(q, kf, vf, context(spec_json, layer, shape, q.device), scale)
     inputs = [q, *kfields, *vfields]
+    out = fresh(out, inputs)
+    return out, fresh(lse, [*inputs, out])
+
+
+def fake_quant(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+    """``decode(encode(x))`` with the backend's own kernels, in x's dtype."""
+    impl = kernel(backend, spec_json)
+    ctx = context(spec_json, layer, x.shape, x.device)
+    if kind == "keys":
+        out = impl.decode_keys({n: f.contiguous() for n, f in impl.encode_keys(x, ctx).items()}, ctx)
+    else:
+        out = impl.decode_values({n: f.contiguous() for n, f in impl.encode_values(x, ctx).items()}, ctx)
+    return fresh(out.to(x.dtype), [x])
+
+
+def clips(backend: str, spec_json: str, kind: str) -> bool:
+    """Whether the codec clips ``kind`` (its straight-through gradient is then not the identity)."""
+    return bool(kernel(backend, spec_json).clips(kind))
+
+
+def fake_quant_grad(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor,
+                    grad: torch.Tensor) -> torch.Tensor:
+    """The straight-through gradient of ``fake_quant`` at ``x`` for a codec that clips."""
+    impl = kernel(backend, spec_json)
+    out = impl.ste_grad(x, grad, context(spec_json, layer, x.shape, x.device), kind)
+    return fresh(out.to(grad.dtype), [x, grad])
+
+
+def attend_paged(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Tensor,
+                 block_table: torch.Tensor, code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                 tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
+                 tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = paged_kernel(backend, spec_json)
+    out, lse = impl.attend_paged(layer, q, pages, block_table, code_lens, query_start_loc, scale,
+                                 tail_k, tail_v, tail_slot, tail_lens)
+    inputs = [t for t in (q, pages, block_table, code_lens, query_start_loc, tail_k, tail_v, tail_slot, tail_lens)
+              if t is not None]
     out = fresh(out, inputs)
     return out, fresh(lse, [*inputs, out])

@@ -17,7 +17,11 @@ from kvq_core.kernels import resolve
 from kvq_core.registry import spec_from_dict
 
 _table: dict[tuple[str, str], Any] = {}
+_paged: dict[tuple[str, str], Any] = {}
 _lock = threading.Lock()
+
+#: the backend whose paged kernels serve a backend that has none for a method (``kvq_torch.paged``)
+PAGED_FALLBACK = "torch"
 
 
 def register_kernel(backend: str, method: str, factory: "str | Callable[[Any], Any]") -> None:
@@ -48,4 +52,24 @@ def kernel(backend: str, spec_json: str) -> Any:
     if ref is None:
         raise BackendUnavailableError(
             f"kvq ops: backend {backend!r} has no kernel for method {spec.method!r}; it has {list(methods(backend))}")
+    return resolve(ref)(spec)
+
+
+def register_paged_kernel(backend: str, method: str, factory: "str | Callable[[Any], Any]") -> None:
+    """Serve ``kvq::attend_paged`` for ``method`` on ``backend`` with ``factory(spec)``, an object with
+    ``attend_paged(layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v,
+    tail_slot, tail_lens) -> (out, lse)`` on torch tensors (:mod:`kvq_core.paged`)."""
+    with _lock:
+        _paged[(backend, method)] = factory
+        paged_kernel.cache_clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def paged_kernel(backend: str, spec_json: str) -> Any:
+    """The paged-attention kernel of ``backend`` for the spec, else :data:`PAGED_FALLBACK`'s (cached)."""
+    spec = spec_from_json(spec_json)  # loads the registry: every backend's entries are in
+    ref = _paged.get((backend, spec.method)) or _paged.get((PAGED_FALLBACK, spec.method))
+    if ref is None:
+        raise BackendUnavailableError(
+            f"kvq::attend_paged: neither {backend!r} nor {PAGED_FALLBACK!r} has a paged kernel for {spec.method!r}")
     return resolve(ref)(spec)

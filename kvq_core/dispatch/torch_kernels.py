@@ -40,7 +40,8 @@ class TorchMethod:
     - ``encode_keys(k, ctx) -> dict`` of fields (any float dtype in; compute in float32),
     - ``decode_keys(fields, ctx) -> float32 [b, h, t, d]``,
     - ``encode_values`` / ``decode_values`` likewise,
-    - ``attend(q, kfields, vfields, ctx, scale) -> (out float32 [b, hq, lq, d], lse float32 [b, hq, lq])``.
+    - ``attend(q, kfields, vfields, ctx, scale) -> (out float32 [b, hq, lq, d], lse float32 [b, hq, lq])``;
+    - for a codec that clips, ``clips(kind)`` and ``ste_grad`` (``kvq::fake_quant``'s gradient).
 
     Field dtypes and shapes must be exactly the spec's layout (uint8 code rows, float16/float32
     side fields). Read sizes from the tensors or from ``ctx.shape``.
@@ -65,6 +66,19 @@ class TorchMethod:
         self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def clips(self, kind: str) -> bool:
+        """Whether encoding ``kind`` clips: some inputs lie outside the range the codes can
+        represent, beyond rounding. False (the default): ``kvq::fake_quant``'s straight-through
+        gradient is the identity; True: it is :meth:`ste_grad`."""
+        return False
+
+    def ste_grad(self, x: torch.Tensor, grad: torch.Tensor, ctx: TorchContext, kind: str) -> torch.Tensor:
+        """The straight-through gradient at ``x`` of a codec that clips (:meth:`clips`): ``grad``
+        with the clipped components zeroed, in the domain where the codec clips. It must be linear
+        in ``grad`` and symmetric (its own adjoint), which ``kvq::fake_quant_grad``'s own
+        gradient relies on."""
+        raise NotImplementedError(f"{type(self).__name__} clips {kind} but has no ste_grad")
 
 
 _consts_cache: dict[tuple[str, int, int, str], dict[str, torch.Tensor]] = {}

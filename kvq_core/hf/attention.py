@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvq_core.errors import KVQError
+from kvq_core.errors import InputError, KVQError
 from kvq_core.hf.layer import to_torch
 from kvq_core.hf.view import CodesContext
 
@@ -153,12 +153,18 @@ def kvq_attention(
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     ctx.layer._pending_codes = False
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise KVQError("kvq attention from codes supports plain softmax attention only (no softcap, no sinks)")
-    if dropout and module.training:
-        raise KVQError("kvq attention from codes is for inference; got dropout in training mode")
-    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = attend_codes(query, key, value, ctx, attention_mask, scale)
+    try:
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+            raise KVQError("kvq attention from codes supports plain softmax attention only (no softcap, no sinks)")
+        if dropout and module.training:
+            raise KVQError("kvq attention from codes is for inference; got dropout in training mode")
+        if not bool(torch.isfinite(query).all()):
+            raise InputError(f"kvq attention, layer {ctx.layer.layer_idx}: the query contains NaN or Inf")
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        out = attend_codes(query, key, value, ctx, attention_mask, scale)
+    except Exception:
+        ctx.layer.abort_step()  # the cache was updated for this step: all or nothing
+        raise
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvq_core.errors import KVQError
-from kvq_core.layout import PackedKV
+from kvq_core.layout import PackedKV, inherit_validation
 
 if TYPE_CHECKING:
     from kvq_core.hf.layer import KVQLayer
@@ -33,7 +33,10 @@ def packed_take_batch(p: PackedKV, index: torch.Tensor) -> PackedKV:
                 f"axis of {p.shape[0]}; batch reordering needs one"
             )
     out = p.map_fields(lambda a: take_batch(a, index))
-    return dataclasses.replace(out, shape=(int(index.numel()), *p.shape[1:]))
+    out = dataclasses.replace(out, shape=(int(index.numel()), *p.shape[1:]))
+    if index.numel():
+        inherit_validation(out, [p])  # rows of a validated block: not scanned again
+    return out
 
 
 def select_batch(layer: KVQLayer, index: torch.Tensor) -> None:

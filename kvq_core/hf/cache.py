@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 
-from kvq_core.errors import InputError, KVQError
+from kvq_core.errors import InputError
 from kvq_core.hf.accounting import KVQMemoryWarning, dynamic_cache_nbytes, memory_report
 from kvq_core.hf.flush import FLUSH_MODES
 from kvq_core.hf.layer import ATTENTION_MODES, CHUNK_MODES, WINDOW_BITS, KVQLayer, mla_dims, separable, to_torch
@@ -197,6 +197,8 @@ class KVQCache(Cache):
                 )
             )
         super().__init__(layers=layers)
+        for layer in self.kvq_layers:
+            layer._abort = self._rollback
         self.mla = mla is not None
         unchosen = {i: why for i, why in self.exact_layers.items() if why != "fp_layers"}
         if unchosen:
@@ -214,7 +216,9 @@ class KVQCache(Cache):
                 "to store them in codes, or sliding_layers='exact' to keep them exact on purpose; see "
                 "memory_report()['uncoded_layers']", KVQMemoryWarning, stacklevel=2)
         self._warned_copy = False  # the decoded-copy warning is given once per cache
-        self._step: dict[int, dict[str, Any]] | None = None  # layer states at the start of this step
+        # layer states at the start of this step, kept until the next step starts (layer 0), so an
+        # error of the attention function on the last layer's output still rolls the step back
+        self._step: dict[int, dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
         return f"KVQCache(method={self.method!r}, backend={self.backend!r}, params={self.method_params}, layers={len(self.layers)})"
@@ -222,22 +226,26 @@ class KVQCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``Cache.update``, with one step (the layer updates of one forward, layer 0 first)
-        all or nothing: when a layer rejects its input with a ``KVQError``, the layers already
-        updated in this step are put back before the error propagates."""
+        all or nothing: when a layer rejects its input (or fails otherwise), the layers already
+        updated in this step are put back before the error propagates; so does an error of the
+        "kvq" attention function on a layer's output (codes mode, :meth:`_rollback`). Retrying
+        the step then gives what a fault-free run gives."""
         if layer_idx == 0 or self._step is None:
             self._step = {}
         self._step[layer_idx] = _snapshot(self.layers[layer_idx])
         try:
             out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        except KVQError:
-            for i, state in self._step.items():
-                _restore(self.layers[i], state)
-            self._step = None
+        except Exception:
+            self._rollback()
             raise
-        if layer_idx == len(self.layers) - 1:
-            self._step = None
         self._warn_decoded_copy(self.layers[layer_idx])
         return out
+
+    def _rollback(self) -> None:
+        """Put back every layer updated in the current step (none when no step is open)."""
+        step, self._step = self._step, None
+        for i, state in (step or {}).items():
+            _restore(self.layers[i], state)
 
     def _warn_decoded_copy(self, layer: Any) -> None:
         """Warn once when a layer starts holding a decoded copy of its history, saying why and the fix."""
@@ -285,6 +293,7 @@ class KVQCache(Cache):
         """As ``Cache.crop``, but checks every layer first so a refused crop changes nothing."""
         for layer in self.kvq_layers:
             layer.check_crop(tokens_to_remove)
+        self._step = None  # a crop ends the step: nothing before it can be rolled back
         super().crop(tokens_to_remove)
 
     # -- accounting ---------------------------------------------------------------------------

@@ -106,6 +106,7 @@ class KVQLayer(DynamicLayer):
         self.is_sliding = sliding_window is not None  # transformers sizes sliding masks from such layers
         self.kq: Quantizer | None = None
         self.vq: Quantizer | None = None
+        self._abort: Any = None  # set by the owning KVQCache: rolls the current step back
         self._clear()
 
     def _clear(self) -> None:
@@ -152,7 +153,37 @@ class KVQLayer(DynamicLayer):
         self.kq = get_quantizer(self.key_spec, self.backend, layer=self.layer_idx, device=device)
         self.vq = self.kq if self.same_spec else get_quantizer(self.value_spec, self.backend, layer=self.layer_idx, device=device)
 
+    def check_step(self, key_states: Any, value_states: Any) -> None:
+        """Reject a step's K/V before anything is stored (window included): torch tensors of rank 4
+        in a float dtype, head_dims of the specs, the batch and heads of what is stored, finite."""
+        for what, x, spec in (("keys", key_states, self.key_spec), ("values", value_states, self.value_spec)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                shape = list(x.shape) if hasattr(x, "shape") else type(x).__name__
+                raise InputError(f"layer {self.layer_idx}: {what} {shape}; expected a torch tensor [batch, kv_heads, tokens, head_dim]")
+            if not x.is_floating_point():
+                raise InputError(f"layer {self.layer_idx}: {what} have dtype {x.dtype}; expected a floating dtype")
+            if x.shape[-1] != spec.head_dim:
+                return  # named with its hint by lazy_initialization / check_kv
+            if self.is_initialized and self.keys is not None and self.keys.dim() == 4:
+                stored = self.keys if what == "keys" else self.values
+                if x.shape[:2] != stored.shape[:2]:
+                    raise InputError(f"layer {self.layer_idx}: {what} have batch and kv_heads {list(x.shape[:2])}; "
+                                     f"the cache holds {list(stored.shape[:2])}")
+            if not bool(torch.isfinite(x).all()):
+                raise InputError(f"layer {self.layer_idx}: {what} contain NaN or Inf; kvq rejects non-finite input "
+                                 "before storing anything (window included)")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise InputError(f"layer {self.layer_idx}: keys {list(key_states.shape)} and values "
+                             f"{list(value_states.shape)} differ in batch, kv_heads or tokens")
+
+    def abort_step(self) -> None:
+        """Undo this step everywhere (the owning :class:`~kvq_core.hf.cache.KVQCache` rolls back
+        the layers it updated), e.g. when the attention function fails on this step's output."""
+        if self._abort is not None:
+            self._abort()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_step(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._pending_codes:

@@ -14,7 +14,7 @@ from kvq_core.math.densities import (
     sphere_coordinate_pdf,
     triplet_norm_pdf,
 )
-from kvq_core.math.hadamard import fwht, hadamard_block, is_power_of_two, sylvester_hadamard
+from kvq_core.math.hadamard import dense_hadamard_block, fwht, hadamard_block, is_power_of_two, sylvester_hadamard
 from kvq_core.math.lloyd_max import Codebook, lloyd_max, uniform_codebook
 from kvq_core.math.octahedral import oct_decode, oct_density, oct_encode, oct_point_norm
 from kvq_core.math.signs import random_signs, splitmix64
@@ -24,6 +24,7 @@ __all__ = [
     "Codebook",
     "Density",
     "coordinate_codebook",
+    "dense_hadamard_block",
     "fwht",
     "hadamard_block",
     "is_power_of_two",

@@ -19,7 +19,12 @@ import numpy as np
 
 from kvq_core.errors import InputError, SpecError
 
-__all__ = ["is_power_of_two", "hadamard_block", "sylvester_hadamard", "fwht"]
+__all__ = ["is_power_of_two", "hadamard_block", "dense_hadamard_block", "sylvester_hadamard", "fwht", "MAX_DENSE_HADAMARD"]
+
+#: Largest Hadamard block handed to kernels as a dense matrix (64 KiB in float32): kernels that
+#: rotate by a matmul (:func:`dense_hadamard_block`) multiply each run of that many coordinates by
+#: it and finish the larger blocks with butterfly stages, so no d x d matrix is ever built.
+MAX_DENSE_HADAMARD = 128
 
 
 def is_power_of_two(n: int) -> bool:
@@ -49,6 +54,14 @@ def hadamard_block(d: int) -> int:
     """The Hadamard block size of dimension ``d``: the largest power of two dividing ``d``."""
     d = _check_dim(d)
     return d & -d
+
+
+def dense_hadamard_block(d: int) -> int:
+    """The dense factor of ``H_d`` for matmul kernels: ``min(hadamard_block(d), MAX_DENSE_HADAMARD)``.
+
+    Sylvester matrices factor as ``H_B = H_{B/m} (x) H_m``, so ``x @ H_d`` is ``x @ H_m`` on each run
+    of ``m`` coordinates followed by the butterfly stages of half-width m, 2m, ..., B/2."""
+    return min(hadamard_block(d), MAX_DENSE_HADAMARD)
 
 
 def sylvester_hadamard(d: int) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvq_core.layout import Layout, float_field, make_layout
-from kvq_core.spec import MethodSpec
+from kvq_core.spec import MAX_HEAD_DIM, MethodSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Fp16Spec(MethodSpec):
 
     def validate_head_dim(self) -> None:
         """Any head_dim: the identity codec has no block structure (e.g. 72 or 100 work)."""
-        self._check_int("head_dim", 1, 1 << 16)
+        self._check_int("head_dim", 1, MAX_HEAD_DIM)
 
     def validate(self) -> None:
         super().validate()

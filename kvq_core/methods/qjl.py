@@ -93,6 +93,9 @@ class QJLSpec(MethodSpec):
         super().validate()
         self._check_int("sketch_dim", 1, MAX_SKETCH_DIM)
         self._check_choice("sketch", SKETCHES)
+        orthogonal = self.sketch == "orthogonal"  # whole d x d Haar blocks, cut to sketch_dim rows
+        rows = -(-self.sketch_dim // self.head_dim) * self.head_dim if orthogonal else self.sketch_dim
+        self.check_dense("sketch_dim", rows, self.head_dim, qr=orthogonal)
         self._check_int("seed", 0, SEED_MAX)
         self._check_int("value_bits", 1, 8)
         if self.value_group is None:

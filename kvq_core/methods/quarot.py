@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
-from kvq_core.math.hadamard import sylvester_hadamard
+from kvq_core.math.hadamard import dense_hadamard_block, sylvester_hadamard
 from kvq_core.spec import MethodSpec
 
 
@@ -53,7 +53,8 @@ class QuaRotSpec(MethodSpec):
     value_layout = key_layout
 
     def constants(self, kv_heads: int, layer: int) -> dict[str, np.ndarray]:
-        """The rotation as a dense float32 matrix (symmetric, its own inverse), as OScaR hands it."""
+        """``hadamard``: the dense factor ``H_m`` of the rotation (``m = dense_hadamard_block(head_dim)``,
+        at most 128), for backends that rotate by a matmul plus butterfly stages; never d x d."""
         if not self.rotation:
             return {}
-        return {"hadamard": sylvester_hadamard(self.head_dim).astype(np.float32)}
+        return {"hadamard": sylvester_hadamard(dense_hadamard_block(self.head_dim)).astype(np.float32)}

@@ -107,6 +107,8 @@ class TurboQuantSpec(MethodSpec):
         self._check_bool("norm_correction")
         self._check_int("seed", 0, SEED_MAX)
         self._check_int("high_bits_coords", 0, self.head_dim)
+        if self.rotation == "haar":
+            self.check_dense("rotation", self.head_dim, self.head_dim, qr=True)
         if self.high_bits_coords and self.bits == MAX_BITS:
             self._fail("high_bits_coords", f"0 when bits={MAX_BITS} (codebooks have at most {MAX_BITS} bits)")
 
@@ -154,6 +156,9 @@ class TurboQuantProdSpec(MethodSpec):
         self._check_choice("sketch", SKETCHES)
         self._check_int("seed", 0, SEED_MAX)
         self._check_choice("values", ("prod", "mse"))
+        if self.rotation == "haar":
+            self.check_dense("rotation", self.head_dim, self.head_dim, qr=True)
+        self.check_dense("sketch", self.head_dim, self.head_dim, qr=self.sketch == "orthogonal")  # a d x d sketch
 
     @property
     def mse_stage(self) -> TurboQuantSpec:

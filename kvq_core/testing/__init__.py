@@ -42,6 +42,7 @@ from kvq_core.testing.conformance import (
     check_case,
     check_errors,
     check_method,
+    check_tampered,
     check_ties,
     decode_tolerance,
     fixed_spec_list,
@@ -66,6 +67,6 @@ __all__ = [
     "ATTEND_LOGIT_RTOL", "ATTEND_RTOL", "DECODE_RTOL", "DTYPES", "EDGE_CASES", "EDGE_SPECS", "FIELD_RTOL", "HEAD_DIMS",
     "LAYERS", "REFERENCE", "REGIMES", "SPEC_PARAMS", "TIE_RTOL", "TIE_RUNS", "TIE_SPECS", "TIE_TOKENS", "Case",
     "ConformanceError", "ConformanceReport", "MethodReport", "attend_tolerance", "case_arrays", "cases",
-    "check_backend", "check_case", "check_errors", "check_method", "check_ties", "decode_tolerance",
+    "check_backend", "check_case", "check_errors", "check_method", "check_tampered", "check_ties", "decode_tolerance",
     "fixed_spec_list", "methods_for", "run_conformance", "specs",
 ]

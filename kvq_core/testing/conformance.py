@@ -24,7 +24,11 @@ it checks, against the reference backend (``"numpy"`` unless told otherwise):
 6. **typed errors** - bad input (rank, head_dim, empty, integer dtype, NaN/Inf, wrong packed
    kind, foreign spec, bad GQA ratio, bad scale) raises the documented :class:`KVQError` subclass;
    input whose stored fields would overflow (|x| ~ 1e6 past float16) raises InputError or decodes finite;
-   nonzero input whose stored fields would underflow (|x| ~ 1e-30) raises InputError or decodes nonzero.
+   nonzero input whose stored fields would underflow (|x| ~ 1e-30) raises InputError or decodes nonzero;
+7. **tampered blocks** (:func:`check_tampered`, part of 6) - a block declaring a head_dim its fields
+   lack, zero tokens or kv heads, NaN/Inf in a stored float field, a bad dtype name, a negative or
+   foreign layer, malformed ``PackedKV.from_dict`` input, and an attend scale that overflows float32
+   raise LayoutError / InputError on decode and attend, before any kernel reads the block.
 
 A drawn case whose spec the backend's ``supports(spec, device)`` refuses (e.g. a compiled backend
 that serves only power-of-two layouts) is skipped and counted in ``MethodReport.unsupported``;
@@ -364,6 +368,16 @@ def _check_per_token(pair: _Pair, case: Case, xs: dict[str, tuple[Any, np.ndarra
 # ------------------------------------------------------------------------------------------------
 # typed errors
 # ------------------------------------------------------------------------------------------------
+def _expect(where: str, exc: type[KVQError], what: str, fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except exc:
+        return
+    except Exception as other:  # noqa: BLE001
+        raise ConformanceError(f"{where}: {what} raised {type(other).__name__}: {other}; expected {exc.__name__}") from other
+    raise ConformanceError(f"{where}: {what} raised nothing; expected {exc.__name__}")
+
+
 def check_errors(backend: str, method: str, *, to_backend: Callable[[np.ndarray], Any] | None = None,
                  head_dim: int = 64) -> None:
     """Check 6: bad input raises the documented typed error on ``backend``."""
@@ -374,14 +388,7 @@ def check_errors(backend: str, method: str, *, to_backend: Callable[[np.ndarray]
     good = rng.standard_normal((1, 2, 8, head_dim)).astype(np.float32)
 
     def expect(exc: type[KVQError], what: str, fn: Callable[[], Any]) -> None:
-        try:
-            fn()
-        except exc:
-            return
-        except Exception as other:  # noqa: BLE001
-            raise ConformanceError(f"{backend}/{method}: {what} raised {type(other).__name__}: {other}; "
-                                   f"expected {exc.__name__}") from other
-        raise ConformanceError(f"{backend}/{method}: {what} raised nothing; expected {exc.__name__}")
+        _expect(f"{backend}/{method}", exc, what, fn)
 
     nan = good.copy()
     nan[0, 1, 3, 5] = np.nan
@@ -418,6 +425,7 @@ def check_errors(backend: str, method: str, *, to_backend: Callable[[np.ndarray]
     else:
         if not np.isfinite(np.asarray(q.arrays.to_numpy(q.decode_keys(huge)), dtype=np.float64)).all():
             raise ConformanceError(f"{backend}/{method}: keys of magnitude 1e6 encoded without error but decode to NaN/Inf")
+    check_tampered(backend, method, to_backend=to_backend, head_dim=head_dim)
     for kind, encode, decode in (("keys", q.encode_keys, q.decode_keys), ("values", q.encode_values, q.decode_values)):
         try:  # far below float16 range: stored fields may underflow, which must raise rather than store zeros
             tiny = encode(conv(good * np.float32(1e-30)))
@@ -426,6 +434,96 @@ def check_errors(backend: str, method: str, *, to_backend: Callable[[np.ndarray]
         if not np.any(np.asarray(q.arrays.to_numpy(decode(tiny)), dtype=np.float64) != 0):
             raise ConformanceError(f"{backend}/{method}: nonzero {kind} of magnitude 1e-30 encoded without error "
                                    "but decode to all zeros")
+
+
+def check_tampered(backend: str, method: str, *, to_backend: Callable[[np.ndarray], Any] | None = None,
+                   head_dim: int = 64) -> None:
+    """Check 7: a block from anywhere (another process, a file: :meth:`PackedKV.from_dict`) is
+    validated before any kernel reads it. Blocks built from valid ones by tampering (a declared
+    head_dim its fields do not have, zero tokens or kv heads, NaN/Inf in a stored float field, a
+    bad dtype name, a negative or foreign layer, malformed ``from_dict`` input) and an attend scale
+    that overflows float32 raise the documented typed error on decode and attend."""
+    where = f"{backend}/{method}"
+    spec = registry.make_spec(method, head_dim=head_dim)
+    q = Quantizer(spec, backend)
+    conv = to_backend or q.arrays.asarray
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 2, 8, head_dim)).astype(np.float32)
+    pk, pv = q.encode_keys(conv(x)), q.encode_values(conv(x))
+    qry = conv(rng.standard_normal((1, 4, 1, head_dim)).astype(np.float32))
+    calls = {
+        "keys": (lambda p: q.decode_keys(p), lambda p: q.attend(qry, p, pv)),
+        "values": (lambda p: q.decode_values(p), lambda p: q.attend(qry, pk, p)),
+    }
+
+    def rejects(exc: type[KVQError], what: str, block: PackedKV) -> None:
+        for name, call in zip(("decode", "attend"), calls[block.kind]):
+            _expect(where, exc, f"{name} of {block.kind} with {what}", lambda: call(block))
+
+    for p in (pk, pv):
+        b, h, t, d = p.shape
+        rejects(InputError, "zero tokens", dataclasses.replace(p, shape=(b, h, 0, d)))
+        rejects(InputError, "zero kv heads", dataclasses.replace(p, shape=(b, 0, t, d)))
+        rejects(LayoutError, f"a declared head_dim {2 * d} its fields lack", dataclasses.replace(p, shape=(b, h, t, 2 * d)))
+        for bad in ("int8", "bool", "complex64", "float8"):
+            rejects(LayoutError, f"dtype {bad!r}", dataclasses.replace(p, dtype=bad))
+        rejects(LayoutError, "layer -3", dataclasses.replace(p, layer=-3))
+        rejects(LayoutError, "layer 3 (the quantizer's is 0)", dataclasses.replace(p, layer=3))
+        for name, field in p.layout.items():
+            if field.dtype not in ("float16", "float32"):
+                continue
+            for value in (np.nan, np.inf, -np.inf):
+                a = np.array(q.arrays.to_numpy(p.fields[name]), copy=True)
+                a.reshape(-1)[a.size // 2] = value
+                rejects(InputError, f"{value} in its stored {name!r}",
+                        PackedKV(p.spec, p.kind, p.shape, {**p.fields, name: conv(a)}, p.layer, p.dtype))
+    # the crafted block of the report: head_dim 2d declared by spec and shape, fields of head_dim d
+    try:
+        wide = Quantizer(spec.replace(head_dim=2 * head_dim), backend)
+    except KVQError:
+        wide = None
+    if wide is not None:  # (a layout that does not depend on head_dim, e.g. QJL keys, is a valid block)
+        forged = dataclasses.replace(pk, spec=wide.spec, shape=(*pk.shape[:3], 2 * head_dim))
+        forged_v = dataclasses.replace(pv, spec=wide.spec, shape=(*pv.shape[:3], 2 * head_dim))
+        keys_differ, values_differ = (dict(f.layout) != dict(p.layout) for f, p in ((forged, pk), (forged_v, pv)))
+        if keys_differ:
+            _expect(where, LayoutError, "decode of a head_dim-2d block with head_dim-d fields",
+                    lambda: wide.decode_keys(forged))
+        if keys_differ or values_differ:
+            qwide = conv(rng.standard_normal((1, 4, 1, 2 * head_dim)).astype(np.float32))
+            _expect(where, LayoutError, "attend over head_dim-2d blocks with head_dim-d fields",
+                    lambda: wide.attend(qwide, forged, forged_v))
+    # an explicit layer= decodes a block of that layer as that layer's quantizer does
+    p3 = q.encode_keys(conv(x), layer=3)
+    own = Quantizer(spec, backend, 3)
+    got, want = (np.asarray(q.arrays.to_numpy(a), np.float64) for a in (q.decode_keys(p3, layer=3), own.decode_keys(p3)))
+    if not np.array_equal(got, want):
+        raise ConformanceError(f"{where}: decode_keys(block, layer=3) differs from layer 3's quantizer")
+    _expect(where, InputError, "layer=-1", lambda: q.decode_keys(p3, layer=-1))
+    # malformed from_dict input
+    plain = pk.to_dict()
+    malformed = {
+        "a list": [1, 2],
+        "no fields": {k: v for k, v in plain.items() if k != "fields"},
+        "shape 'abc'": {**plain, "shape": "abc"},
+        "shape of three": {**plain, "shape": [1, 2, 8]},
+        "fields as a list": {**plain, "fields": [1, 2]},
+        "a ragged field": {**plain, "fields": {**plain["fields"], next(iter(plain["fields"])): [[1, 2], [3]]}},
+        "an object field": {**plain, "fields": {**plain["fields"], next(iter(plain["fields"])): [object()]}},
+        "layer 'x'": {**plain, "layer": "x"},
+        "dtype 7": {**plain, "dtype": 7},
+        "a spec list": {**plain, "spec": [1]},
+        "a spec with a bad parameter": {**plain, "spec": {**plain["spec"], "head_dim": "wide"}},
+        "kind 'queries'": {**plain, "kind": "queries"},
+        "zero kv heads": {**plain, "shape": [1, 0, 8, head_dim]},
+    }
+    for what, data in malformed.items():
+        _expect(where, KVQError, f"from_dict of {what}", lambda: PackedKV.from_dict(data))
+    # scales: beyond float32, and finite ones whose scaled logits overflow float32
+    loud = conv(1e3 * rng.standard_normal((1, 4, 1, head_dim)).astype(np.float32))
+    for scale in (1e300, float("inf"), 1e-300):
+        _expect(where, InputError, f"attend scale={scale}", lambda: q.attend(qry, pk, pv, scale=scale))
+    _expect(where, InputError, "attend scale=1e36 over logits ~1e3", lambda: q.attend(loud, pk, pv, scale=1e36))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -59,3 +59,11 @@ def test_many_query_rows() -> None:
     spec = registry.make_spec("octopus", head_dim=64, bits=3)
     case = testing.Case(spec, batch=1, kv_heads=1, tokens=50, gqa=4, q_len=20, dtype="float16", regime="sinks", seed=5)
     assert testing.check_case("triton", case).examples == 1
+
+
+@pytest.mark.parametrize("method", ["oscar", "octopus"])
+def test_tampered_blocks(method: str) -> None:
+    """The report's crafted block (head_dim 128 declared over head_dim-64 fields: the attend and
+    decode kernels read past their buffers) and the other tampered blocks raise typed errors before
+    a kernel launches (also part of every check_method above, through check_errors)."""
+    testing.check_tampered("triton", method)

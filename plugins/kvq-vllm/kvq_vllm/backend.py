@@ -1,20 +1,22 @@
 """kvq as a vLLM attention backend: packed pages in vLLM's own block manager.
 
 - :meth:`KVQAttentionBackend.customize_spec` turns a layer's KV spec into ``uint8`` pages whose
-  per-(token, kv head) cell is one :class:`~kvq_vllm.paged.PageLayout` row (packed K then V),
-  so vLLM's allocator, prefix cache and preemption work on packed bytes unchanged;
+  per-(token, kv head) cell is one :class:`kvq_core.paged.PageLayout` row (packed K then V), so
+  vLLM's allocator, prefix cache and preemption work on packed bytes unchanged;
+- :class:`KVQMetadataBuilder` describes each step once, for every layer: the batch's query
+  boundaries, block table and coded lengths (and, for OScaR and KIVI, the step's
+  :class:`~kvq_vllm.plan.GroupPlan`);
 - :meth:`KVQAttentionImpl.do_kv_cache_update` encodes the step's new K/V (``kvq::encode``) and
-  scatters the rows by ``slot_mapping``;
-- :meth:`KVQAttentionImpl.forward` attends per request over the pages its ``block_table``
-  names: a one-token query (decode) through ``kvq::attend`` on the packed fields, a longer one
-  (prefill, chunked prefill, a prefix-cache hit, recompute after preemption) by decoding the
-  request's context (``kvq::decode``) and causal SDPA.
+  scatters their rows by ``slot_mapping``; for a token-group codec it stages the open group's exact
+  K/V and encodes each group that completes (:mod:`kvq_vllm.plan`);
+- :meth:`KVQAttentionImpl.forward` is one ``kvq::attend_paged`` call for the whole batch: every
+  request's queries (decode, chunked prefill, a prefix-cache tail, recompute, speculative
+  verification) attend causally over its pages, read through the block table, and its staged tail.
 
-Every token, including the step's own, is attended from its stored code, so a request's
-output does not depend on how its prompt was chunked, cached or recomputed.
-Not supported (a clear error at engine start): sliding windows, ALiBi, logit soft-capping,
-attention sinks, encoder attention, quantized ``kv_cache_dtype``, CUDA graphs; head dims are those
-the kvq spec accepts.
+Neither ``forward`` nor ``do_kv_cache_update`` reads a tensor on the host. Refused at engine start
+with a :class:`~kvq_core.errors.SpecError` naming the setting: sliding windows, ALiBi, logit
+soft-capping, attention sinks, encoder attention, a quantized ``kv_cache_dtype``, a block size that is
+not a multiple of the codec's key group, head dims the codec's spec does not take.
 """
 from __future__ import annotations
 
@@ -23,15 +25,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 import kvq_core.dispatch.ops  # noqa: F401  (defines the kvq:: ops)
 from kvq_core import registry
 from kvq_core.dispatch.torch_kernels import field_names
-from kvq_core.errors import KVQError
+from kvq_core.errors import SpecError
+from kvq_core.paged import PageLayout
+from kvq_vllm import numba_encode
 from kvq_vllm.config import CodecConfig, active_codec
-from kvq_vllm.paged import PageLayout, read_tokens, write_slots
+from kvq_vllm.plan import GroupPlan, StagingPool, group_blocks, plan_step, stage_tokens
 from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -69,7 +73,7 @@ class KVQAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
-        return [MultipleOf(1)]
+        return [MultipleOf(1)]  # the codec's key group is checked with a SpecError naming block_size
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -82,45 +86,74 @@ class KVQAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Pages of ``uint8`` rows: ``state_content_bytes`` = packed K + packed V bytes per token and head."""
+        """Pages of ``uint8`` rows: ``state_content_bytes`` = one row's bytes (packed K + V per token and head)."""
         if spec.state_content_bytes is not None:
             return spec
-        layout = PageLayout(active_codec(required=True).spec(spec.head_size))
+        layout = PageLayout(active_codec(required=True).spec(spec.head_size), spec.block_size, spec.num_kv_heads)
         return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=layout.row_bytes)
+
+
+def staging_slots(vllm_config: Any) -> int:
+    """Staging slots of a token-group codec: one open group per running request, twice that with
+    speculative decoding (a rollback may reopen the group before), and a few spare for LRU slack."""
+    seqs = vllm_config.scheduler_config.max_num_seqs
+    return seqs * (2 if vllm_config.speculative_config is not None else 1) + 4
+
+
+def staging_bytes(vllm_config: Any, layout: PageLayout, layers: int, dtype: torch.dtype) -> int:
+    """Bytes of every layer's staging buffers (exact K and V of the open groups)."""
+    per_slot = 2 * layout.kv_heads * layout.group * layout.spec.head_dim * dtype.itemsize
+    return staging_slots(vllm_config) * per_slot * layers
 
 
 @dataclass
 class KVQMetadata(AttentionMetadata):
-    """Per-step batch description: request boundaries and lengths as host ints (one loop per request)."""
+    """One step for every layer: query boundaries, block table and coded lengths (device tensors)."""
 
     num_actual_tokens: int
-    query_start_loc: list[int]  # num_reqs + 1 entries
-    seq_lens: list[int]  # context length of each request, this step's tokens included
-    block_table: torch.Tensor  # [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    code_lens: torch.Tensor  # int32 [num_reqs]: tokens read from the pages (all of them for per-token codecs)
+    plan: GroupPlan | None  # token-group codecs only
 
 
 class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    """Builds :class:`KVQMetadata` once per step; owns the staging slots of a token-group codec."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        codec = active_codec(vllm_config, required=True)
+        self.layout = PageLayout(codec.spec(kv_cache_spec.head_size), kv_cache_spec.block_size,
+                                 kv_cache_spec.num_kv_heads)
+        self.pool = StagingPool(staging_slots(vllm_config)) if self.layout.group > 1 else None
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        """Per-token codecs: the metadata is vLLM's own persistent buffers and neither forward nor the
+        cache update reads a tensor on the host, so uniform single-token decode batches can be
+        captured. Token-group codecs: the step plan is built on the host with per-step sizes: never."""
+        codec = active_codec(vllm_config, required=True)
+        spec = codec.spec(kv_cache_spec.head_size)
+        layout = PageLayout(spec, kv_cache_spec.block_size, kv_cache_spec.num_kv_heads)
+        return AttentionCGSupport.NEVER if layout.group > 1 else AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVQMetadata:
         cam = common_attn_metadata
         n = cam.num_reqs
-        return KVQMetadata(
-            num_actual_tokens=cam.num_actual_tokens,
-            query_start_loc=cam.query_start_loc_cpu[: n + 1].tolist(),
-            seq_lens=cam.seq_lens[:n].cpu().tolist(),
-            block_table=cam.block_table_tensor,
-            slot_mapping=cam.slot_mapping,
-        )
+        qsl, seq_lens, table = cam.query_start_loc[: n + 1], cam.seq_lens[:n], cam.block_table_tensor[:n]
+        plan = None
+        if self.pool is not None:  # the host plan: once per step, here, never in forward
+            plan = plan_step(self.pool, self.layout.group, self.layout.block_size,
+                             cam.query_start_loc_cpu[: n + 1].numpy(), seq_lens.cpu().numpy(),
+                             table.cpu().numpy(), device=self.device)
+        return KVQMetadata(num_actual_tokens=cam.num_actual_tokens, query_start_loc=qsl, block_table=table,
+                           code_lens=plan.code_lens if plan is not None else seq_lens, plan=plan)
 
 
-def _unsupported(what: str) -> KVQError:
-    return KVQError(f"kvq-vllm: {what} is not supported by the kvq attention backend")
+def refuse(setting: str, value: Any, expected: str) -> SpecError:
+    """What this backend cannot serve, as the SpecError that stops the engine at start."""
+    return SpecError("kvq-vllm", setting, value, expected)
 
 
 class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
@@ -131,22 +164,41 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None, **kwargs: Any) -> None:
-        for what, bad in (("ALiBi", alibi_slopes is not None), ("a sliding window", sliding_window is not None),
-                          ("logit soft-capping", bool(logits_soft_cap)), ("attention sinks", sinks is not None),
-                          (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
-                          (f"kv_cache_dtype={kv_cache_dtype!r}", kv_cache_dtype != "auto")):
+        if sliding_window is not None:
+            raise refuse("sliding_window", sliding_window,
+                         "full attention: kvq-vllm does not serve sliding-window layers yet (it would take a window "
+                         "argument in kvq::attend_paged masking positions older than the window, and freeing the "
+                         "pages vLLM drops behind it)")
+        for setting, value, bad, expected in (
+                ("alibi_slopes", alibi_slopes, alibi_slopes is not None, "None: no ALiBi"),
+                ("logits_soft_cap", logits_soft_cap, bool(logits_soft_cap), "None: no logit soft-capping"),
+                ("sinks", "a tensor", sinks is not None, "None: no attention sinks"),
+                ("attn_type", attn_type, attn_type != AttentionType.DECODER, "decoder attention"),
+                ("kv_cache_dtype", kv_cache_dtype, kv_cache_dtype != "auto", '"auto": kvq is the cache codec')):
             if bad:
-                raise _unsupported(what)
+                raise refuse(setting, value, expected)
+        vllm_config = get_current_vllm_config()
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.codec: CodecConfig = active_codec(get_current_vllm_config(), required=True)
+        self.codec: CodecConfig = active_codec(vllm_config, required=True)
         self.spec = self.codec.spec(head_size)
         self.spec_json = self.spec.to_json()
-        self.pages = PageLayout(self.spec)
+        self.layout = PageLayout(self.spec, vllm_config.cache_config.block_size, self.num_kv_heads)
         self.names = {kind: field_names(self.spec, kind) for kind in ("keys", "values")}
-        registry.backend_info(self.codec.backend)  # loads the kvq backend: its kvq:: table entries
+        device = vllm_config.device_config.device
+        numba_encode.register()
+        self.backend, self.encode_backend = self.codec.attend_backend(device), self.codec.encode_backend(device)
+        registry.backend_info(self.backend)  # loads the kvq backends: their kvq:: table entries
         self._layers: dict[str, int] = {}
+        self.tail_k = self.tail_v = None
+        if self.layout.group > 1:
+            # Allocated with the model, before vLLM sizes the KV cache, so its capacity is what is left.
+            g = self.layout.group
+            shape = (staging_slots(vllm_config), self.num_kv_heads, g, head_size)
+            dtype = vllm_config.model_config.dtype
+            self.tail_k = torch.zeros(shape, dtype=dtype, device=device)
+            self.tail_v = torch.zeros(shape, dtype=dtype, device=device)
 
     def _layer(self, layer: AttentionLayer) -> int:
         """The model layer index (per-layer codec constants, e.g. OCTOPUS's signs, depend on it)."""
@@ -155,60 +207,55 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
             self._layers[name] = extract_layer_index(name)
         return self._layers[name]
 
-    def _encode(self, kind: str, x: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
-        """Fields of ``x [n, kv_heads, d]`` encoded as one ``[1, kv_heads, n, d]`` block."""
-        block = x.permute(1, 0, 2).unsqueeze(0)
-        fields = torch.ops.kvq.encode(self.codec.backend, self.spec_json, layer, kind, block)
+    def _encode(self, kind: str, block: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
+        """Fields of ``block [b, kv_heads, t, d]``."""
+        fields = torch.ops.kvq.encode(self.encode_backend, self.spec_json, layer, kind, block)
         return dict(zip(self.names[kind], fields))
 
     def do_kv_cache_update(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Encode this step's K/V and write their rows at ``slot_mapping``."""
-        n = slot_mapping.shape[0]
-        if n == 0:
-            return
+        """Encode this step's K/V into rows at ``slot_mapping`` (a token-group codec: its plan)."""
         index = self._layer(layer)
-        rows = self.pages.pack(self._encode("keys", key[:n], index), self._encode("values", value[:n], index))
-        write_slots(kv_cache, rows[0].permute(1, 0, 2), slot_mapping)
+        block_size = kv_cache.shape[2]
+        if self.layout.group == 1:
+            n = slot_mapping.shape[0]
+            if n == 0:
+                return
+            k, v = (x[:n].permute(1, 0, 2).unsqueeze(0) for x in (key, value))  # [1, kv_heads, n, d]
+            rows = self.layout.pack(self._encode("keys", k, index), self._encode("values", v, index))
+            slots = slot_mapping.to(torch.long).clamp(min=0)  # padding (-1) lands in vLLM's null block 0, never read
+            kv_cache[slots // block_size, :, slots % block_size] = rows[0].permute(1, 0, 2)
+            return
+        plan = self._metadata(layer).plan
+        stage_tokens(plan, self.tail_k, key)
+        stage_tokens(plan, self.tail_v, value)
+        if plan.groups == 0:
+            return
+        blocks = [group_blocks(plan, self.tail_k, key), group_blocks(plan, self.tail_v, value)]
+        heads = self.num_kv_heads
+        packed = self.layout.pack(self._encode("keys", blocks[0], index), self._encode("values", blocks[1], index))
+        kv_cache[plan.write_block, :, plan.write_offset] = packed.permute(0, 2, 1, 3).reshape(-1, heads, packed.shape[-1])
+
+    @staticmethod
+    def _metadata(layer: AttentionLayer) -> KVQMetadata:
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, list):  # speculative decoding: [0] is the target model's
+            meta = meta[0]
+        return meta[layer.layer_name] if isinstance(meta, dict) else meta
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KVQMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of each request's queries over its packed context, written into ``output``."""
+        """Every request's queries over its packed context (and staged tail): one ``kvq::attend_paged``."""
         if output_scale is not None or output_block_scale is not None:
-            raise _unsupported("fused output quantization")
+            raise refuse("output quantization", "fused", "none: kvq attention writes the model's dtype")
         if attn_metadata is None:  # the profiling run
             return output
-        index = self._layer(layer)
-        qsl, meta = attn_metadata.query_start_loc, attn_metadata
-        for r, tokens in enumerate(meta.seq_lens):
-            start, stop = qsl[r], qsl[r + 1]
-            if stop == start:
-                continue
-            rows = read_tokens(kv_cache, meta.block_table[r], tokens)
-            kf, vf = self.pages.unpack(rows)
-            q = query[start:stop].permute(1, 0, 2).unsqueeze(0)  # [1, q_heads, L, d]
-            shape = [1, self.num_kv_heads, tokens, self.head_size]
-            if stop - start == 1:
-                out = self._attend(q, kf, vf, shape, index)
-            else:
-                out = self._prefill(q, kf, vf, shape, index)
-            output[start:stop] = out[0].permute(1, 0, 2).to(output.dtype)
+        meta, plan = attn_metadata, attn_metadata.plan
+        n = meta.num_actual_tokens
+        tails = (self.tail_k, self.tail_v, plan.tail_slot, plan.tail_lens) if plan is not None else (None,) * 4
+        out, _ = torch.ops.kvq.attend_paged(self.backend, self.spec_json, self._layer(layer), query[:n],
+                                            kv_cache, meta.block_table, meta.code_lens, meta.query_start_loc,
+                                            self.scale, *tails)
+        output[:n] = out.to(output.dtype)
         return output
-
-    def _attend(self, q: torch.Tensor, kf: dict, vf: dict, shape: list[int], layer: int) -> torch.Tensor:
-        """One query token over the packed context: ``kvq::attend`` (the codec scores from its codes)."""
-        out, _ = torch.ops.kvq.attend(self.codec.backend, self.spec_json, layer, q,
-                                      [kf[n] for n in self.names["keys"]], [vf[n] for n in self.names["values"]],
-                                      shape, self.scale)
-        return out
-
-    def _prefill(self, q: torch.Tensor, kf: dict, vf: dict, shape: list[int], layer: int) -> torch.Tensor:
-        """L query tokens, the last L of the context: decode the context, causal SDPA (GQA)."""
-        backend = self.codec.backend
-        k = torch.ops.kvq.decode(backend, self.spec_json, layer, "keys", [kf[n] for n in self.names["keys"]], shape)
-        v = torch.ops.kvq.decode(backend, self.spec_json, layer, "values", [vf[n] for n in self.names["values"]], shape)
-        length, tokens = q.shape[2], shape[2]
-        mask = torch.ones(length, tokens, dtype=torch.bool, device=q.device).tril(tokens - length)
-        return F.scaled_dot_product_attention(q.to(torch.float32), k, v, attn_mask=mask, scale=self.scale,
-                                              enable_gqa=self.num_heads != self.num_kv_heads)

@@ -1,8 +1,9 @@
 """Which kvq codec a vLLM engine uses: ``additional_config={"kvq": {...}}``, else ``$KVQ_VLLM``.
 
 The settings are a dict ``{"method": "octopus", "bits": 3, ...}``: ``method`` names the kvq
-method, ``backend`` the kvq kernel backend (default ``"torch"``), and every other key is a
-parameter of the method's spec. ``head_dim`` comes from the model.
+method, ``backend`` the kvq kernel backend (default ``"auto"``: numba on CPU when installed,
+triton on CUDA when installed, else torch), and every other key is a parameter of the method's
+spec. ``head_dim`` comes from the model.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvq_core.errors import SpecError
 from kvq_core.spec import MethodSpec
 
 ENV = "KVQ_VLLM"
-DEFAULT_BACKEND = "torch"
+DEFAULT_BACKEND = "auto"
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,24 @@ class CodecConfig:
     def spec(self, head_dim: int) -> MethodSpec:
         """The spec for a model with ``head_dim``."""
         return registry.make_spec(self.method, head_dim=head_dim, **dict(self.params))
+
+    def attend_backend(self, device: Any) -> str:
+        """The kvq backend of ``kvq::attend_paged`` on ``device`` ("auto": numba on CPU, triton on CUDA,
+        when installed and working; else torch, the reference)."""
+        if self.backend != "auto":
+            return self.backend
+        preferred = {"cpu": "numba", "cuda": "triton"}.get(str(torch_device_type(device)))
+        if preferred and registry.backend_status(preferred)[0]:
+            return preferred
+        return "torch"
+
+    def encode_backend(self, device: Any) -> str:
+        """The kvq backend of ``kvq::encode``: the attend backend when it has ``kvq::`` op entries
+        for the method, else torch."""
+        from kvq_core.dispatch.table import methods
+
+        backend = self.attend_backend(device)
+        return backend if self.method in methods(backend) else "torch"
 
     def describe(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params)
@@ -49,9 +68,17 @@ def parse(settings: Any, source: str) -> CodecConfig:
     if "head_dim" in params:
         raise SpecError("kvq-vllm", "head_dim", params["head_dim"], "no head_dim: it comes from the model")
     backend = settings.get("backend", DEFAULT_BACKEND)
+    known = [b.name for b in registry.list_backends()]
+    if backend != "auto" and backend not in known:
+        raise SpecError("kvq-vllm", "backend", backend, f'"auto" or a kvq backend: {", ".join(known)}')
     config = CodecConfig(settings["method"], tuple(sorted(params.items())), backend)
     config.spec(128)  # validate the parameters now, with the error naming them
     return config
+
+
+def torch_device_type(device: Any) -> str:
+    """``"cpu"``, ``"cuda"``, ... of a device or its name."""
+    return getattr(device, "type", None) or str(device).split(":")[0]
 
 
 _seen: list[CodecConfig | None] = []

@@ -5,12 +5,17 @@ benchmark compare engines, so each runs as ``python -m kvq_vllm.generate '<json 
 which prints one line ``KVQ_RESULT {...}``. :class:`Job` starts that process (several may run
 at once: loading is mostly single-threaded imports), :func:`run_job` starts one and waits.
 
-A job: ``{"model": dir, "kvq": {...} or null, "prompts": [...], "max_tokens": 16,
-"engine": {extra LLM kwargs}, "repeat": [prompt indices to run again alone, after the batch]}``.
+A job: ``{"model": dir, "kvq": {...} or null, "prompts": [...] (texts, or lists of token ids),
+"max_tokens": 16, "engine": {extra LLM kwargs}, "repeat": [prompt indices to run again alone,
+after the batch], "track_running": false}``. With ``track_running`` the engine core runs in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and every scheduler step's running requests are
+counted, for ``peak_running``.
 The result: per batch output ``text``, ``token_ids``, ``prompt_tokens``, ``num_cached_tokens``;
 the KV capacity vLLM reports (``kv_blocks``, ``block_size``, ``kv_tokens``); ``kv_bytes_per_token``
 (all layers); ``seconds`` of the batch and ``tokens_per_s`` (generated tokens over that wall time,
-prefill included); ``preemptions``; ``backend`` (the attention backend class in use).
+prefill included); ``preemptions``; ``peak_running`` (most requests running in one step, with
+``track_running``); ``backend`` (the attention backend class in use); ``error`` (the exception's
+type and text when the engine failed to start, e.g. kvq refusing a setting: then nothing else).
 """
 from __future__ import annotations
 
@@ -44,15 +49,21 @@ def main(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("kvq") is not None:
         engine["additional_config"] = {"kvq": job["kvq"]}
     t0 = time.perf_counter()
-    llm = LLM(model=job["model"], **engine)
+    try:
+        llm = LLM(model=job["model"], **engine)
+    except Exception as exc:  # the engine refused to start: report why (the tests check the reason)
+        return {"error": f"{type(exc).__name__}: {exc}"}
     load = time.perf_counter() - t0
     config = llm.llm_engine.vllm_config
+    running = _track_running(llm) if job.get("track_running") else []
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 16), ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in job["prompts"]]
     t0 = time.perf_counter()
-    outs = llm.generate(job["prompts"], params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    repeats = [llm.generate([job["prompts"][i]], params, use_tqdm=False)[0] for i in job.get("repeat", [])]
+    peak = max(running, default=0)
+    repeats = [llm.generate([prompts[i]], params, use_tqdm=False)[0] for i in job.get("repeat", [])]
     info = llm.collective_rpc(_engine_facts)[0]
     cache = config.cache_config
     return {
@@ -67,7 +78,25 @@ def main(job: dict[str, Any]) -> dict[str, Any]:
         "seconds": round(seconds, 2),
         "tokens_per_s": round(generated / seconds, 2),
         "preemptions": _metric(llm, "vllm:num_preemptions"),
+        "peak_running": peak,
+        "draft_tokens": _metric(llm, "vllm:spec_decode_num_draft_tokens"),
+        "accepted_tokens": _metric(llm, "vllm:spec_decode_num_accepted_tokens"),
     }
+
+
+def _track_running(llm: Any) -> list[int]:
+    """Count the scheduler's running requests at every step (the engine core runs in this process)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    counts: list[int] = []
+    schedule = scheduler.schedule
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        counts.append(len(scheduler.running))
+        return out
+
+    scheduler.schedule = counted
+    return counts
 
 
 def _output(o: Any) -> dict[str, Any]:
@@ -92,6 +121,8 @@ class Job:
     def __init__(self, job: dict[str, Any], *, env: dict[str, str] | None = None) -> None:
         base = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})}
+        if job.get("track_running"):
+            base["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # Files, not pipes: a job blocked on a full pipe would wait for the jobs read before it.
         self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvq_vllm.generate", json.dumps(job)],
@@ -107,7 +138,10 @@ class Job:
         out, err = (self._read(f) for f in (self.out, self.err))
         for line in out.splitlines():
             if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
+                result = json.loads(line[len(MARK):])
+                if "error" in result:  # the engine's own log says why (its worker's exception, then shutdown noise)
+                    result["log"] = err[-40000:]
+                return result
         raise RuntimeError(f"vLLM job failed (exit {self.proc.returncode}):\n{out[-3000:]}\n{err[-6000:]}")
 
     @staticmethod

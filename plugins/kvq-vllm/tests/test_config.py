@@ -10,7 +10,7 @@ from kvq_vllm.config import ENV, from_vllm, parse
 def test_additional_config_gives_the_spec_with_the_models_head_dim(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, '{"method": "fp16"}')
     codec = from_vllm({"kvq": {"method": "octopus", "bits": 3}})
-    assert (codec.method, codec.backend) == ("octopus", "torch")
+    assert (codec.method, codec.backend) == ("octopus", "auto")
     spec = codec.spec(64)
     assert (spec.method, spec.bits, spec.head_dim) == ("octopus", 3, 64)
 

@@ -1,0 +1,294 @@
+"""What every Numba CPU attend kernel shares to read its blocks through a page table: field
+addressing, the work plan (split-KV jobs), exact tail tokens, and the log-sum-exp combine.
+
+A contiguous PackedKV block is the trivial page table: request ``b`` is block ``b``, whose
+"page" is the whole field array of that batch element; a serving engine's pages put every field in
+one byte row per (token, kv head) (:class:`kvq_core.paged.PageLayout`). Both are described per
+field by a descriptor row (:data:`DESC` columns): the row address of ``(request, head, row)`` is
+``table[request, row // block] * block_stride + head * head_stride + (row % block) * row_stride +
+offset``. Striped fields (OScaR/KIVI key statistics over a group's rows, OScaR's token norm over
+the heads' rows) are read ``width`` bytes per row (:func:`gather_rows_bytes`, :func:`heads_f32`).
+
+Work: queries are ``[kv_heads, rows, d]`` (rows = query tokens x GQA group, request by request).
+:func:`plan` cuts each (request, kv head, tile of ROWS rows) into jobs: splits of the coded tokens
+the tile can see (causal), then one job for its exact tail tokens. Each job leaves its running max,
+sum and unnormalised output (:func:`store_partial`); :func:`combine` merges a tile's jobs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from kvq_numba.cpu_attend import online_softmax
+from kvq_numba.cpu_tiles import ROWS, logits, weighted_rows
+
+#: descriptor columns: rows per block, block stride, head stride, row stride, byte offset, bytes per
+#: row of a striped field, rows per statistics group (striped group fields)
+BLOCK_ROWS, BLOCK_STRIDE, HEAD_STRIDE, ROW_STRIDE, OFFSET, WIDTH, GROUP_ROWS = range(7)
+DESC = 7
+#: job columns: request, kv head, first row, rows, first token, end token, kind (CODES / TAIL)
+J_REQ, J_HEAD, J_ROW, J_NROWS, J_T0, J_T1, J_KIND = range(7)
+CODES, TAIL = 0, 1
+#: logit of a token a row may not see (finite: a split that a row cannot see at all then merges with
+#: weight exp(-1e30) = 0 instead of NaN)
+MASKED = np.float32(-1e30)
+#: tokens per tail block
+TAIL_BLOCK = 32
+#: fewest coded tokens a split takes (shorter ones cost more in set-up and combine than they save)
+MIN_SPLIT = 512
+#: jobs per thread a plan aims at
+JOBS_PER_THREAD = 4
+
+
+@njit(cache=True, inline="always")
+def row_addr(table, req, head, row, desc):
+    """Byte address of ``(req, head, row)`` of the field ``desc`` describes."""
+    bs = desc[BLOCK_ROWS]
+    return table[req, row // bs] * desc[BLOCK_STRIDE] + head * desc[HEAD_STRIDE] + (row % bs) * desc[ROW_STRIDE] \
+        + desc[OFFSET]
+
+
+@njit(cache=True, inline="always")
+def token_rows(table, req, head, t0, n, desc, out) -> None:
+    """``out[i]`` = the byte address of token ``t0 + i`` (``i < n``) of a per-token field: one
+    division per call, then the in-block row steps by one."""
+    bs = desc[BLOCK_ROWS]
+    tb, tr = t0 // bs, t0 % bs
+    fixed = head * desc[HEAD_STRIDE] + desc[OFFSET]
+    for i in range(n):
+        out[i] = table[req, tb] * desc[BLOCK_STRIDE] + tr * desc[ROW_STRIDE] + fixed
+        tr += 1
+        if tr == bs:
+            tr = 0
+            tb += 1
+
+
+@njit(cache=True, inline="always")
+def heads_f32(buf, addr, desc, scratch, view):
+    """The float32 of a field shared by the heads, striped from byte ``addr`` (head 0's row) over
+    the heads' rows ``desc[HEAD_STRIDE]`` apart, ``desc[WIDTH]`` bytes each."""
+    w, hs = desc[WIDTH], desc[HEAD_STRIDE]
+    if w >= 4:
+        for x in range(4):
+            scratch[x] = buf[addr + x]
+    elif w == 2:  # the common stripes (2 or 3 kv heads): two bytes from each of two rows, unrolled
+        scratch[0], scratch[1] = buf[addr], buf[addr + 1]
+        scratch[2], scratch[3] = buf[addr + hs], buf[addr + hs + 1]
+    else:
+        j, a = 0, addr
+        while j < 4:
+            for x in range(min(w, 4 - j)):
+                scratch[j + x] = buf[a + x]
+            j += w
+            a += hs
+    return view[0]
+
+
+@njit(cache=True, inline="always")
+def gather_rows_bytes(buf, table, req, head, first_row, desc, nbytes, dst) -> None:
+    """``dst[:nbytes]`` = a striped field's bytes: ``desc[WIDTH]`` from each row from ``first_row`` on
+    (a statistics group's rows lie in one block, ``desc[ROW_STRIDE]`` apart)."""
+    w = desc[WIDTH]
+    a = row_addr(table, req, head, first_row, desc)
+    step = desc[ROW_STRIDE]
+    if w == 4 and nbytes % 4 == 0:  # the common stripe (128 bytes over 32 rows), unrolled
+        for r in range(nbytes // 4):
+            dst[4 * r], dst[4 * r + 1] = buf[a], buf[a + 1]
+            dst[4 * r + 2], dst[4 * r + 3] = buf[a + 2], buf[a + 3]
+            a += step
+        return
+    j = 0
+    while j < nbytes:
+        m = min(w, nbytes - j)
+        for x in range(m):
+            dst[j + x] = buf[a + x]
+        j += m
+        a += step
+
+
+@njit(cache=True, inline="always")
+def half_at(buf, a):
+    """The float16 bits stored little-endian at byte ``a``."""
+    return np.uint16(buf[a]) | (np.uint16(buf[a + 1]) << np.uint16(8))
+
+
+@njit(cache=True, inline="always")
+def row_limits(jobs, job, first, row_lo, g, lim) -> None:
+    """``lim[r]``: positions (coded, then tail) row ``r`` of the job's tile sees; huge for padding rows."""
+    req, row0, nrows = jobs[job, J_REQ], jobs[job, J_ROW], jobs[job, J_NROWS]
+    for r in range(ROWS):
+        lim[r] = first[req] + (row0 + r - row_lo[req]) // g + 1 if r < nrows else np.int64(1) << 62
+
+
+@njit(cache=True, inline="always")
+def mask_block(p, n, t0, lim) -> None:
+    """Logits of tokens ``t0 + i >= lim[r]`` become :data:`MASKED`."""
+    for r in range(ROWS):
+        for i in range(max(0, min(n, lim[r] - t0)), n):
+            p[r, i] = MASKED
+
+
+@njit(cache=True, inline="always")
+def store_partial(job, m, l, acc, pm, pl, pacc) -> None:
+    """A job's running max, sum and unnormalised output (channel order) into the partial arrays."""
+    for r in range(ROWS):
+        pm[job, r] = m[r]
+        pl[job, r] = l[r]
+    for x in range(acc.shape[0]):
+        pacc[job, x] = acc[x]
+
+
+@njit(cache=True)
+def plan(row_lo, q_lens, code_lens, tail_lens, first, g, nhk, split):
+    """``(jobs int64 [n, 7], groups int64 [tiles + 1])``: per (request, kv head, tile), splits of at
+    most ``split`` coded tokens the tile sees, then its tail job; ``groups`` bounds each tile's jobs."""
+    nreq = row_lo.shape[0]
+    count, tiles = 0, 0
+    for phase in range(2):
+        if phase == 1:
+            jobs = np.empty((count, 7), np.int64)
+            groups = np.empty(tiles + 1, np.int64)
+            count, tiles = 0, 0
+        for req in range(nreq):
+            rows = q_lens[req] * g
+            for h in range(nhk):
+                for row0 in range(0, rows, ROWS):
+                    nrows = min(ROWS, rows - row0)
+                    seen = first[req] + (row0 + nrows - 1) // g + 1
+                    codes = min(code_lens[req], seen)
+                    tail = min(tail_lens[req], seen - code_lens[req])
+                    if phase == 1:
+                        groups[tiles] = count
+                    tiles += 1
+                    for t0 in range(0, codes, split):
+                        if phase == 1:
+                            jobs[count, J_REQ], jobs[count, J_HEAD] = req, h
+                            jobs[count, J_ROW], jobs[count, J_NROWS] = row_lo[req] + row0, nrows
+                            jobs[count, J_T0], jobs[count, J_T1], jobs[count, J_KIND] = t0, min(codes, t0 + split), CODES
+                        count += 1
+                    if tail > 0:
+                        if phase == 1:
+                            jobs[count, J_REQ], jobs[count, J_HEAD] = req, h
+                            jobs[count, J_ROW], jobs[count, J_NROWS] = row_lo[req] + row0, nrows
+                            jobs[count, J_T0], jobs[count, J_T1], jobs[count, J_KIND] = 0, tail, TAIL
+                        count += 1
+        if phase == 1:
+            groups[tiles] = count
+    return jobs, groups
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def tail_jobs(q, jobs, first, row_lo, g, code_lens, tail_k, tail_v, scale, pm, pl, pacc) -> None:
+    """The TAIL jobs: exact attention over ``tail_k`` / ``tail_v`` float32 [requests, kv_heads, t, d]
+    (in the same domain as ``q`` [kv_heads, rows, d]), causal per row."""
+    d = q.shape[2]
+    for job in prange(jobs.shape[0]):
+        if jobs[job, J_KIND] != TAIL:
+            continue
+        req, h, row0, nrows = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+        lim = np.empty(ROWS, np.int64)
+        row_limits(jobs, job, first, row_lo, g, lim)
+        for r in range(ROWS):
+            lim[r] -= code_lens[req]  # tail tokens the row sees
+        qf = np.zeros(ROWS * d, np.float32)
+        for r in range(nrows):
+            for c in range(d):
+                qf[r * d + c] = q[h, row0 + r, c]
+        m = np.full(ROWS, -np.inf, np.float32)
+        l = np.zeros(ROWS, np.float32)
+        acc = np.zeros(ROWS * d, np.float32)
+        no_vbias = np.zeros((ROWS, 0), np.float32)
+        p = np.zeros((ROWS, TAIL_BLOCK), np.float32)
+        tok = np.full(TAIL_BLOCK, scale, np.float32)
+        ebits = np.empty(ROWS * TAIL_BLOCK, np.int32)
+        kf = tail_k[req, h].reshape(tail_k.shape[2] * d)
+        vf = tail_v[req, h].reshape(tail_v.shape[2] * d)
+        t1 = jobs[job, J_T1]
+        for t0 in range(0, t1, TAIL_BLOCK):
+            n = min(TAIL_BLOCK, t1 - t0)
+            logits(qf, kf[t0 * d:], d, n, tok, p)
+            mask_block(p, n, t0, lim)
+            online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
+            weighted_rows(p.reshape(ROWS * TAIL_BLOCK), TAIL_BLOCK, vf[t0 * d:], d, n, acc)
+        store_partial(job, m, l, acc, pm, pl, pacc)
+
+
+@njit(parallel=True, cache=True)
+def combine(jobs, groups, pm, pl, pacc, out, lse) -> None:
+    """``out [kv_heads, rows, d]`` and ``lse [kv_heads, rows]`` of every tile: its jobs merged by
+    log-sum-exp."""
+    d = out.shape[2]
+    for tile in prange(groups.shape[0] - 1):
+        j0, j1 = groups[tile], groups[tile + 1]
+        if j1 == j0:
+            continue
+        h, row0, nrows = jobs[j0, J_HEAD], jobs[j0, J_ROW], jobs[j0, J_NROWS]
+        for r in range(nrows):
+            mx = pm[j0, r]
+            for j in range(j0 + 1, j1):
+                mx = max(mx, pm[j, r])
+            tot = np.float32(0)
+            o = out[h, row0 + r]
+            for c in range(d):
+                o[c] = 0
+            for j in range(j0, j1):
+                w = np.exp(pm[j, r] - mx)
+                tot += pl[j, r] * w
+                for c in range(d):
+                    o[c] += pacc[j, r * d + c] * w
+            inv = np.float32(1) / tot
+            for c in range(d):
+                o[c] *= inv
+            lse[h, row0 + r] = mx + np.log(tot)
+
+
+def split_tokens(work: int, align: int) -> int:
+    """Coded tokens per split: about ``work`` (tokens summed over tiles) over
+    :data:`JOBS_PER_THREAD` jobs per thread, at least :data:`MIN_SPLIT`, a multiple of ``align``."""
+    target = JOBS_PER_THREAD * numba.get_num_threads()
+    want = max(MIN_SPLIT, -(-work // target))
+    return -(-want // align) * align
+
+
+#: ``jobs_fn(q, jobs, first, row_lo, g, table, pm, pl, pacc)``: a kernel's CODES jobs
+JobsFn = Callable[..., None]
+
+
+def run(q: np.ndarray, row_lo: np.ndarray, q_lens: np.ndarray, code_lens: np.ndarray, tail_lens: np.ndarray,
+        first: np.ndarray, g: int, table: np.ndarray, jobs_fn: JobsFn, align: int,
+        tails: tuple[np.ndarray, np.ndarray] | None, scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Plan, run the CODES jobs (``jobs_fn``) and the TAIL jobs, combine: ``(out [kv_heads, rows, d],
+    lse [kv_heads, rows])`` for queries ``q`` [kv_heads, rows, d] in the codes' domain."""
+    nhk, nrow, d = q.shape
+    tiles = (q_lens * g + ROWS - 1) // ROWS
+    split = split_tokens(int((tiles * code_lens).sum()) * nhk, align)
+    jobs, groups = plan(row_lo, q_lens, code_lens, tail_lens, first, g, nhk, split)
+    pm = np.empty((jobs.shape[0], ROWS), np.float32)
+    pl = np.empty((jobs.shape[0], ROWS), np.float32)
+    pacc = np.empty((jobs.shape[0], ROWS * d), np.float32)
+    jobs_fn(q, jobs, first, row_lo, g, table, pm, pl, pacc)
+    if tails is not None:
+        tail_jobs(q, jobs, first, row_lo, g, code_lens, tails[0], tails[1], scale, pm, pl, pacc)
+    out = np.zeros((nhk, nrow, d), np.float32)
+    lse = np.zeros((nhk, nrow), np.float32)
+    combine(jobs, groups, pm, pl, pacc, out, lse)
+    return out, lse
+
+
+def run_trivial(q: np.ndarray, tokens: int, jobs_fn: JobsFn, align: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`run` for contiguous blocks: ``q`` [b, kv_heads, rows, d] each seeing all ``tokens`` of
+    its batch element (request ``b`` = block ``b``, no causal limit); returns ``(out [b, kv_heads,
+    rows, d], lse [b, kv_heads, rows])``."""
+    nb, nhk, nr, d = q.shape
+    qh = np.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(nhk, nb * nr, d)
+    row_lo = np.arange(nb, dtype=np.int64) * nr
+    ones = np.ones(nb, np.int64)
+    code_lens = np.full(nb, tokens, np.int64)
+    table = np.arange(nb, dtype=np.int64)[:, None]
+    out, lse = run(qh, row_lo, ones, code_lens, np.zeros(nb, np.int64), code_lens - 1, nr, table, jobs_fn, align,
+                   None, np.float32(1))
+    return (np.ascontiguousarray(out.reshape(nhk, nb, nr, d).transpose(1, 0, 2, 3)),
+            np.ascontiguousarray(lse.reshape(nhk, nb, nr).transpose(1, 0, 2)))

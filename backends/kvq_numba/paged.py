@@ -1,0 +1,156 @@
+"""``kvq::attend_paged`` on the Numba CPU kernels: OScaR and KIVI at 2 and 4 bits
+(:func:`kvq_numba.cpu_attend_planes.planes_jobs`) and OCTOPUS
+(:func:`kvq_numba.cpu_attend_octopus.octopus_jobs`) read the pages through the block table, the same
+kernels that serve contiguous blocks (the trivial page table). Other specs, and CUDA tensors (numba's
+CUDA kernels have no paged variant), take the torch fallback (``kvq_torch.paged``, through the table).
+
+Per call: queries are rotated once (and tail keys/values into the codes' domain), the work is planned
+(split-KV jobs per request, kv head and tile of query rows, plus one job per tile for the exact
+tail), the jobs run in parallel, a log-sum-exp combine merges each tile's jobs, the output is
+un-rotated once. Nothing loops over requests in Python.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvq_core.constants import constants
+from kvq_core.dispatch.table import PAGED_FALLBACK, paged_kernel
+from kvq_core.kernels import resolve
+from kvq_core.paged import GROUP, PageLayout
+from kvq_core.spec import MethodSpec
+from kvq_numba import cpu_attend_octopus, cpu_attend_planes, cpu_octopus, cpu_paged
+from kvq_numba.plugin import KERNELS, supports
+
+
+def flat_pages(pages: torch.Tensor) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The bytes ``pages`` spans, as one flat NumPy view, and its (block, head, token) strides (a
+    contiguous copy first when its rows are not contiguous or a stride is negative)."""
+    if pages.stride(3) != 1 or min(pages.stride()) < 0:
+        pages = pages.contiguous()
+    arr = pages.numpy()
+    span = 1 + sum((n - 1) * s for n, s in zip(pages.shape, pages.stride()))
+    flat = np.lib.stride_tricks.as_strided(arr, shape=(span,), strides=(1,), writeable=False)
+    return flat, (pages.stride(0), pages.stride(1), pages.stride(2))
+
+
+class PagedNumba:
+    """Paged attention of one spec on the Numba CPU kernels (module docstring)."""
+
+    def __init__(self, spec: MethodSpec) -> None:
+        self.spec, self.spec_json = spec, spec.to_json()
+        self.impl = resolve(KERNELS[spec.method])(spec)
+        ok, _ = supports(spec, "cpu")
+        if spec.method == "octopus":
+            self.fast = ok
+        else:
+            self.fast = ok and cpu_attend_planes.fits(spec.bits, spec.head_dim, self.impl.value_group)
+        self._layouts: dict[tuple[int, int], PageLayout] = {}
+
+    def _layout(self, block_size: int, kv_heads: int) -> PageLayout:
+        key = (block_size, kv_heads)
+        if key not in self._layouts:
+            self._layouts[key] = PageLayout(self.spec, block_size, kv_heads)
+        return self._layouts[key]
+
+    def _desc(self, layout: PageLayout, kind: str, name: str, strides: tuple[int, int, int]) -> tuple[int, ...]:
+        s = layout.slot(kind, name)
+        return (layout.block_size, *strides, s.start, s.width, layout.group if s.stripe == GROUP else 1)
+
+    # -- per method: the codes' domain and the kernel ------------------------------------------
+    def _transforms(self, layer: int, kv_heads: int) -> tuple[Any, Any, Any]:
+        """(to the keys' domain, to the values' domain, back from the values' domain), on [1, h, t, d]."""
+        if self.spec.method == "octopus":
+            signs = np.ascontiguousarray(constants(self.spec, kv_heads, layer)["signs"])
+            inv = self.impl.inv_sqrt_d
+
+            def rot(x: np.ndarray) -> np.ndarray:
+                return cpu_octopus.signed_rotate(x, signs, inv)
+
+            def unrot(x: np.ndarray) -> np.ndarray:
+                return cpu_octopus.signed_unrotate(x, signs, inv)
+
+            if self.spec.values == "fp16":
+                return rot, _same, _same
+            return rot, rot, unrot
+        rot = self.impl._rotate
+        return rot, rot, rot
+
+    def _jobs(self, layout: PageLayout, layer: int, flat: np.ndarray, strides: tuple[int, int, int],
+              scale: np.float32) -> Any:
+        """``(jobs_fn, align)`` of the method's CODES kernel over these pages."""
+        if self.spec.method == "octopus":
+            fp16 = self.spec.values == "fp16"
+            desc = np.zeros((5, cpu_paged.DESC), np.int64)
+            desc[cpu_attend_octopus.F_KC] = self._desc(layout, "keys", "codes", strides)
+            desc[cpu_attend_octopus.F_KN] = self._desc(layout, "keys", "norm", strides)
+            if fp16:
+                desc[cpu_attend_octopus.F_VH] = self._desc(layout, "values", "data", strides)
+            else:
+                desc[cpu_attend_octopus.F_VC] = self._desc(layout, "values", "codes", strides)
+                desc[cpu_attend_octopus.F_VN] = self._desc(layout, "values", "norm", strides)
+            bits, table = self.impl._books(constants(self.spec, layout.kv_heads, layer))
+
+            def octopus(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
+                cpu_attend_octopus.octopus_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, desc,
+                                                fp16, bits, table, scale, pm, pl, pacc)
+            return octopus, cpu_attend_octopus.BLOCK
+        impl = self.impl
+        desc = np.zeros((7, cpu_paged.DESC), np.int64)
+        for index, kind, name in ((cpu_attend_planes.F_KC, "keys", "codes"), (cpu_attend_planes.F_KS, "keys", "scale"),
+                                  (cpu_attend_planes.F_KO, "keys", "offset"), (cpu_attend_planes.F_VC, "values", "codes"),
+                                  (cpu_attend_planes.F_VS, "values", "scale"), (cpu_attend_planes.F_VO, "values", "offset")):
+            desc[index] = self._desc(layout, kind, name, strides)
+        if impl.token_scaling:
+            desc[cpu_attend_planes.F_KN] = self._desc(layout, "keys", "norm", strides)
+
+        def planes(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
+            cpu_attend_planes.planes_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, flat, flat, desc,
+                                          impl.token_scaling, impl.bits, impl.key_group, impl.value_group, scale,
+                                          pm, pl, pacc)
+        return planes, int(cpu_attend_planes.block_tokens(impl.key_group))
+
+    # -- the op ---------------------------------------------------------------------------------
+    def attend_paged(self, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
+                     code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                     tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
+                     tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.device.type != "cpu" or not self.fast:
+            return paged_kernel(PAGED_FALLBACK, self.spec_json).attend_paged(
+                layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v, tail_slot, tail_lens)
+        n, hq, d = q.shape
+        hk, bs = pages.shape[1], pages.shape[2]
+        g = hq // hk
+        if n == 0:
+            return q.new_zeros((0, hq, d), dtype=torch.float32), q.new_zeros((0, hq), dtype=torch.float32)
+        layout = self._layout(bs, hk)
+        to_k, to_v, from_v = self._transforms(layer, hk)
+        qn = q.detach().to(torch.float32).contiguous().numpy()
+        qh = np.ascontiguousarray(qn.reshape(n, hk, g, d).transpose(1, 0, 2, 3)).reshape(1, hk, n * g, d)
+        qr = to_k(qh)[0]
+        qsl = query_start_loc.numpy().astype(np.int64)
+        q_lens = np.diff(qsl)
+        code = code_lens.numpy().astype(np.int64)
+        tails = None
+        tail_n = np.zeros_like(code)
+        if tail_k is not None:
+            tail_n = tail_lens.numpy().astype(np.int64)
+            slot = tail_slot.to(torch.long)
+            tk = tail_k.index_select(0, slot).to(torch.float32).contiguous().numpy()
+            tv = tail_v.index_select(0, slot).to(torch.float32).contiguous().numpy()
+            tails = (np.ascontiguousarray(to_k(tk)), np.ascontiguousarray(to_v(tv)))
+        flat, strides = flat_pages(pages)
+        jobs_fn, align = self._jobs(layout, layer, flat, strides, np.float32(scale))
+        table = block_table.numpy().astype(np.int64)
+        out, lse = cpu_paged.run(qr, qsl[:-1] * g, q_lens, code, tail_n, code + tail_n - q_lens, g, table, jobs_fn,
+                                 align, tails, np.float32(scale))
+        out = from_v(out[None])[0]
+        out = np.ascontiguousarray(out.reshape(hk, n, g, d).transpose(1, 0, 2, 3)).reshape(n, hq, d)
+        lse = np.ascontiguousarray(lse.reshape(hk, n, g).transpose(1, 0, 2)).reshape(n, hq)
+        return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+    return x

@@ -1,0 +1,33 @@
+"""``kvq warmup`` exercises encode, decode and attend of each method, with a progress line per step,
+so the Numba kernels a cache uses are compiled (or loaded from the disk cache) before first use."""
+from __future__ import annotations
+
+import pytest
+
+from kvq_core.cli import main
+from kvq_core.warmup import parse_method
+
+
+def test_parse_method_reads_typed_parameters() -> None:
+    assert parse_method("oscar:bits=4,key_group=64") == ("oscar", {"bits": 4, "key_group": 64})
+    assert parse_method("octopus:rounding=joint") == ("octopus", {"rounding": "joint"})
+    with pytest.raises(SystemExit):
+        parse_method("oscar:bits")
+
+
+def test_warmup_reports_each_step(capsys) -> None:
+    assert main(["warmup", "oscar:bits=2", "kivi", "--backend", "numpy", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    for step in ("encode", "decode", "attend"):
+        assert out.count(f": {step} ...") == 2, out
+    assert "oscar:bits=2 ready in" in out and "kivi ready in" in out and "done in" in out
+
+
+def test_warmup_compiles_the_numba_kernels_a_cache_runs() -> None:
+    pytest.importorskip("numba")
+    from kvq_numba import cpu_intquant, cpu_rotation
+
+    assert main(["warmup", "oscar:bits=2", "--head-dim", "64"]) == 0
+    for kernel in (cpu_intquant.encode_token_groups, cpu_intquant.encode_channel_groups, cpu_rotation.unit_keys,
+                   cpu_intquant.decode_token_groups, cpu_intquant.decode_channel_groups):
+        assert kernel.signatures, kernel  # compiled or loaded from the disk cache in this process
