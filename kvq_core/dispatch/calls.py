@@ -25,6 +25,7 @@ class OpKernels:
 
         ops = torch.ops.kvq
         self.encode_op, self.decode_op, self.attend_op = ops.encode, ops.decode, ops.attend
+        self.fake_quant_op = ops.fake_quant
         self.backend = backend
         self.spec = spec
         self.spec_json = spec.to_json()  # computed here, outside any traced region
@@ -51,7 +52,7 @@ class OpKernels:
 
     def fake_quant(self, kind: str, x: Any, ctx: KernelContext) -> Any:
         """``decode(encode(x))`` in one ``kvq::fake_quant`` op, with a straight-through gradient."""
-        return torch.ops.kvq.fake_quant(self.backend, self.spec_json, ctx.layer, kind, x)
+        return self.fake_quant_op(self.backend, self.spec_json, ctx.layer, kind, x)
 
     def attend(self, q: Any, kfields: dict[str, Any], vfields: dict[str, Any], ctx: KernelContext,
                scale: float) -> tuple[Any, Any]:
