@@ -2,14 +2,9 @@
 element), GPU-sized ones on a device."""
 from __future__ import annotations
 
-import os
-
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from kvq_triton.env import interpreting
 
 
 def tile() -> int:

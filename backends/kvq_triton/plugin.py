@@ -21,7 +21,7 @@ from kvq_core.dispatch.table import register_paged_kernel
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.spec import MethodSpec
-from kvq_triton.config import interpreting
+from kvq_triton.env import interpreting
 
 NAME = "triton"
 
