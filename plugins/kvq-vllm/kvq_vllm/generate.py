@@ -139,8 +139,8 @@ class Job:
         for line in out.splitlines():
             if line.startswith(MARK):
                 result = json.loads(line[len(MARK):])
-                if "error" in result:  # the engine's own log says why (its worker's exception, then shutdown noise)
-                    result["log"] = err[-40000:]
+                if "error" in result:  # the engine's log says why: vLLM's workers log their exception on
+                    result["log"] = f"{out[-40000:]}\n{err[-40000:]}"  # stdout, the engine core's on stderr
                 return result
         raise RuntimeError(f"vLLM job failed (exit {self.proc.returncode}):\n{out[-3000:]}\n{err[-6000:]}")
 
