@@ -75,6 +75,16 @@ class Quantizer:
         self._bound = _Bound(spec, factory(spec))
         self._bind_pending = bind_head_dim  # set last: the pair above is in place before anyone binds
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles (a model deep-copied with its kvq-qat settings) get a lock of their own."""
+        state = self.__dict__.copy()
+        del state["_bind_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._bind_lock = threading.Lock()
+
     @property
     def spec(self) -> MethodSpec:
         return self._bound.spec

@@ -91,7 +91,7 @@ def test_constant_and_zero_groups_are_exact() -> None:
     np.testing.assert_array_equal(k_hat[:, 1, :, 7], 0)
     np.testing.assert_array_equal(v_hat[:, 0, 3, :32], 0.75)
     np.testing.assert_array_equal(v_hat[:, 1, 4, 64:96], 0)
-    zeros = np.zeros((1, 1, 5, D), np.float32)
+    zeros = np.zeros((1, 2, 5, D), np.float32)  # the quantizer's bound kv_heads
     np.testing.assert_array_equal(qz.decode_keys(qz.encode_keys(zeros)), zeros)
 
 

@@ -110,8 +110,8 @@ def test_zero_vector_decodes_to_exactly_zero(rounding: str) -> None:
     k[0, 1, 2] = 0.0
     packed = q.encode_keys(k)
     assert packed.fields["norm"][0, 1, 2] == 0.0
-    zero = q.encode_keys(np.zeros((1, 1, 1, 128), np.float32))
-    np.testing.assert_array_equal(packed.fields["codes"][0, 1, 2], zero.fields["codes"][0, 0, 0])
+    zero = q.encode_keys(np.zeros((1, 2, 1, 128), np.float32))  # the quantizer's bound kv_heads
+    np.testing.assert_array_equal(packed.fields["codes"][0, 1, 2], zero.fields["codes"][0, 1, 0])
     decoded = q.decode_keys(packed)
     assert np.all(decoded[0, 1, 2] == 0.0)
     assert np.all(np.linalg.norm(np.delete(decoded[0, 1], 2, axis=0), axis=-1) > 0)

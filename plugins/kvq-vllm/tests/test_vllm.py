@@ -161,6 +161,7 @@ def test_fp16_equals_stock_under_chunking_preemption_prefix_cache_and_speculatio
 # + 8 (a 32-token group's fp16 scale and offset rows striped over its rows) + 2 (the fp32 token norm striped
 # over 3 heads) for K, 16 + 4 (per-token fp16 scale and offset of two 32-channel groups) for V; KIVI b=2
 # likewise without the norm.
+GROUP_CODECS = ("oscar", "kivi")  # key statistics per 32-token group: the open group is kept exactly
 ROW_BYTES = {"octopus": 2 * (28 + 4), "oscar": 16 + 8 + 2 + 16 + 8, "kivi": 16 + 8 + 16 + 8}
 
 
@@ -177,7 +178,14 @@ def test_quantized_capacity_and_text(stock: dict, quantized: tuple[str, dict]) -
         print(f"\n{method}: {r['kv_tokens']} KV tokens vs stock {stock['kv_tokens']}: {ratio:.2f}x (bytes: {expected:.2f}x)")
         assert abs(ratio - expected) < 0.03 * expected
     assert r["repeats"][0]["num_cached_tokens"] > 0  # the repeat hit the prefix cache ...
-    assert ids(r, "repeats") == [ids(r)[LONG]]  # ... and packed pages reproduce the request exactly
+    repeat, first = ids(r, "repeats")[0], ids(r)[LONG]
+    if method in GROUP_CODECS:
+        # OScaR/KIVI attend finished groups from codes and the open group exactly, so a token's output
+        # depends on where its prompt's chunks (or the cached prefix) ended: the repeat starts alike
+        # and stays close, not identical (plugins/kvq-vllm/README.md)
+        assert repeat[0] == first[0] and edit_distance(repeat, first) / TOKENS <= MAX_EDIT, (repeat, first)
+    else:
+        assert repeat == first  # ... and per-token packed pages reproduce the request exactly
     distances = [edit_distance(a, b) / TOKENS for a, b in zip(ids(r), ids(stock))]
     print(f"{method}: token edit distance to stock per prompt {distances}; texts {[o['text'] for o in r['outputs']]}")
     assert sum(distances) / len(distances) <= MAX_EDIT
