@@ -20,6 +20,7 @@ from kvq_core.dispatch.calls import op_backend
 from kvq_core.dispatch.table import register_paged_kernel
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
+from kvq_core.registry import install_hint
 from kvq_core.spec import MethodSpec
 from kvq_triton.env import interpreting
 
@@ -43,7 +44,7 @@ def _triton_import() -> str | None:
     try:
         importlib.import_module("triton")
     except Exception as exc:  # noqa: BLE001 - any failure makes the backend unavailable, with the reason
-        return f"triton is not installed or fails to import ({type(exc).__name__}: {exc}); pip install -e '.[triton]'"
+        return f"triton is not installed or fails to import ({type(exc).__name__}: {exc}); install it with {install_hint('triton')}"
     return None
 
 
