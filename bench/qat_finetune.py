@@ -57,13 +57,6 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def split_text(text: str) -> tuple[str, str]:
-    """(train, held-out): cut at the first article heading (`` = Title = ``) after the middle."""
-    m = re.compile(r"\n = [^=\n][^\n]* = \n").search(text, len(text) // 2)
-    cut = m.start() + 1 if m else len(text) // 2
-    return text[:cut], text[cut:]
-
-
 def load(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     import torch
 
@@ -240,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import kvq_core.hf  # noqa: F401  (registers attn_implementation "kvq" and "kvq-qat")
     from kvq_core.eval.caches import parse_config
-    from kvq_core.eval.text import load_text
+    from kvq_core.eval.text import load_text, split_text
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""The ``kvq`` command line: list, info, demo, bench, eval and export."""
+"""The ``kvq`` command line: list, info, demo, warmup, tune, bench, eval and export."""
 from __future__ import annotations
 
 import argparse
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="every method on embedded synthetic K/V (add --help for options)", add_help=False)
     sub.add_parser("warmup", help="compile the kernels a model's cache needs, once (add --help for options)",
                    add_help=False)
+    sub.add_parser("tune", help="search a cache plan under a true-bits budget (add --help for options)", add_help=False)
     for group, names in (("bench", ("fidelity", "speed", "decode")), ("eval", ("ppl", "niah")), ("export", ("onnx",))):
         gp = sub.add_parser(group, help=f"{group}: {', '.join(names)} (add --help after the name)")
         gp.add_argument("name", choices=names)
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvq_core.demo import main as demo_main
 
             return demo_main(argv[1:])
+        if argv[:1] == ["tune"]:
+            from kvq_core.tune import main as tune_main
+
+            return tune_main(argv[1:])
         if argv[:1] == ["warmup"]:
             from kvq_core.warmup import main as warmup_main
 

@@ -50,3 +50,7 @@ class MethodUnavailableError(KVQError, RuntimeError):
 
 class ExportError(KVQError, RuntimeError):
     """A method, graph or opset has no export path to the requested format (e.g. ONNX)."""
+
+
+class PlanError(KVQError, ValueError):
+    """A tuned plan file is unreadable, of a newer format, or made for another model."""

@@ -61,7 +61,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvq_core.eval.caches import CacheConfig, build_cache, parse_config, stored
+from kvq_core.eval.caches import KVQ_KINDS, CacheConfig, build_cache, parse_config, stored
 from kvq_core.progress import progress
 from kvq_core.results import out_help, results_dir
 
@@ -186,7 +186,7 @@ def breakdown(seconds: dict[str, float], step_total: float, steps: int) -> tuple
 
 def attn_impl(cfg: CacheConfig) -> str:
     """The model's attention implementation for ``cfg``: "kvq" (attend from codes) for kvq caches."""
-    return "kvq" if cfg.kind == "kvq" else "sdpa"
+    return "kvq" if cfg.kind in KVQ_KINDS else "sdpa"
 
 
 def greedy_step(model: Any, tok: Any, cache: Any) -> Any:
@@ -204,7 +204,7 @@ def start(run: Run, model: Any, ids: Any) -> None:
     run.row = {"label": cfg.label, "config": cfg.describe(), "prompt": run.prompt, "status": "ok"}
     try:
         model.set_attn_implementation(attn_impl(cfg))  # what the cache's decode steps attend with
-        run.cache = build_cache(cfg, model.config, attention="codes" if cfg.kind == "kvq" else "auto")
+        run.cache = build_cache(cfg, model.config, attention="codes" if cfg.kind in KVQ_KINDS else "auto")
         model.set_attn_implementation("sdpa")  # the prefill attends exactly under every cache (module doc)
         with torch.no_grad():
             t0 = time.perf_counter()
@@ -225,7 +225,7 @@ def start(run: Run, model: Any, ids: Any) -> None:
         unavailable(run, exc)
         return
     except Exception as exc:  # noqa: BLE001 - a third-party cache that cannot run here is reported, not fatal
-        if cfg.kind == "kvq" or cfg.kind == "fp":
+        if cfg.kind in KVQ_KINDS or cfg.kind == "fp":
             raise
         unavailable(run, exc)
         return

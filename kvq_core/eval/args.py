@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvq_core.eval.text import TEXT_PARTS
 from kvq_core.results import out_help, results_dir
 
 
@@ -12,6 +13,9 @@ def add_common_args(p: argparse.ArgumentParser, *, methods: list[str], text_help
     p.add_argument("--model", help="a .gguf file, a checkpoint directory or a hub name (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--text-file", help=f"{text_help} (default: shared/data/wikitext2-test.txt)")
     p.add_argument("--dataset", help="a datasets name[:config[:split]] instead of a file (needs a network)")
+    p.add_argument("--text-part", choices=TEXT_PARTS, default="all",
+                   help="read all of the text, or only its calibration (first) or evaluation (second) part: cut at "
+                        "the article heading after the middle, what kvq tune calibrates on (default all)")
     p.add_argument("--methods", nargs="+", default=methods, metavar="CFG",
                    help="cache configurations METHOD[:k=v,...] (see kvq_core.eval.caches); 'fp' is DynamicCache")
     p.add_argument("--backend", default="auto", help="kvq backend for kvq methods (default auto)")

@@ -7,12 +7,14 @@ Kinds:
   (``nbits``, ``q_group_size``, ``residual_length``, ``axis_key``, ``axis_value``);
 - any kvq method name: :class:`kvq_core.hf.KVQCache` with the method's parameters plus the
   cache options ``residual``, ``flush``, ``stride``, ``fp_layers``, ``fp_key_layers`` (``;``-separated layer lists),
-  ``value_method`` and ``v.<param>`` (value codec parameters, e.g. ``v.bits=2``).
+  ``value_method`` and ``v.<param>`` (value codec parameters, e.g. ``v.bits=2``);
+- ``plan``: the cache of a ``kvq tune`` plan file, ``plan:path=FILE`` (:meth:`KVQCache.from_plan`).
 
 Every kind takes ``label=`` to name the row. Examples::
 
     fp   quanto:nbits=2   oscar:bits=2   oscar:bits=2,token_scaling=false
     octopus:bits=3   turboquant:bits=3,residual=32   oscar:bits=3,v.bits=2,label=oscar-k3v2
+    plan:path=bench/results/plans/smollm2-2k-2.5.json,label=tuned-2.5
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 HF_KINDS = ("quanto", "hqq")
+KVQ_KINDS = ("kvq", "plan")  # caches that are a KVQCache
 CACHE_OPTIONS = ("residual", "flush", "stride", "fp_layers", "fp_key_layers", "value_method")
 WINDOW_BITS = 16
 
@@ -43,7 +46,7 @@ def _value(text: str) -> Any:
 
 @dataclasses.dataclass
 class CacheConfig:
-    """One evaluated cache: its row label, kind ("fp", "quanto", "hqq", "kvq"), method and params."""
+    """One evaluated cache: its row label, kind ("fp", "quanto", "hqq", "kvq", "plan"), method and params."""
 
     label: str
     kind: str
@@ -61,6 +64,8 @@ class CacheConfig:
             return self.params.get("nbits", 4)
         if self.method == "fp16":
             return 16
+        if self.kind == "plan":
+            return "plan"
         kb = self.params.get("bits")
         vb = self.value_params.get("bits", kb)
         return kb if vb == kb else f"K{kb}/V{vb}"
@@ -97,6 +102,10 @@ def parse_config(text: str) -> CacheConfig:
         kind = "fp"
     elif head in HF_KINDS:
         kind = head
+    elif head == "plan":
+        if set(params) != {"path"}:
+            raise ValueError(f"cache config {text!r}: a plan takes path=FILE (and label=) only")
+        return CacheConfig(label or f"plan[{params['path']}]", "plan", "", params)
     else:
         kind = "kvq"
     if label is None:
@@ -158,6 +167,8 @@ def build_cache(cfg: CacheConfig, model_config: Any, backend: str = "auto", atte
         return QuantizedCache(cfg.kind, model_config, **cfg.params)
     from kvq_core.hf import KVQCache
 
+    if cfg.kind == "plan":
+        return KVQCache.from_plan(model_config, cfg.params["path"], backend=backend, attention=attention)
     return KVQCache(model_config, cfg.method, backend, value_params=cfg.value_params or None, attention=attention,
                     **cfg.options, **cfg.params)
 

@@ -167,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DynamicCache
 
     from kvq_core.eval.model import load_model
-    from kvq_core.eval.text import load_text
+    from kvq_core.eval.text import load_text, text_part
 
     configs = [parse_config(m) for m in args.methods]
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"duplicate configuration labels: {labels}")
-    text, source = (load_text(args.text_file, args.dataset) if args.haystack == "wikitext" else (None, "filler"))
+    text, source = (text_part(*load_text(args.text_file, args.dataset), args.text_part) if args.haystack == "wikitext" else (None, "filler"))
     model, tok, info = load_model(args.model, attn_implementation=args.attn, threads=args.threads)
     builder = PromptBuilder(tok, args.haystack, text)
     out = Path(args.out)

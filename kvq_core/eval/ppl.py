@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvq_core.eval.args import add_common_args
-from kvq_core.eval.caches import CacheConfig, build_cache, expand_seeds, parse_config, populate, steady_bits, stored
+from kvq_core.eval.caches import KVQ_KINDS, CacheConfig, build_cache, expand_seeds, parse_config, populate, steady_bits, stored
 
 # the best configuration found at <= 3.2 true bits per element (tuned on windows 0-2, see docs/eval.md):
 # TurboQuant keys at 3 bits and values at 2 bits, both norm-corrected, 28 exact tokens
@@ -68,7 +68,7 @@ def chunk_plan(cfg: CacheConfig, cache: Any, prefix: int, score: int, chunk: int
     A sliding-flush cache without ``decode_view`` (the kvq attention function) gets single tokens."""
     if chunk is None:
         block = 128
-        if cfg.kind == "kvq":
+        if cfg.kind in KVQ_KINDS:
             layers = getattr(cache, "kvq_layers", [])
             rs = [layer.residual for layer in layers]
             block = min(rs) if rs and min(rs) > 0 else 32
@@ -96,18 +96,21 @@ def token_elements(model_config: Any) -> int:
 
 def score_window(model: Any, ids: Any, cfg: CacheConfig, prefix: int, score: int, *, backend: str,
                  shared: Any | None, chunk: int | None, reference: Any | None = None,
-                 keep_logprobs: bool = False, attention: str = "dequant") -> tuple[dict[str, Any], Any | None]:
+                 keep_logprobs: bool = False, attention: str = "dequant",
+                 cache: Any | None = None) -> tuple[dict[str, Any], Any | None]:
     """NLL of ``score`` tokens after ``prefix`` for one configuration; ``ids`` is ``[1, prefix+score+1]``.
 
     With ``reference`` (the full-precision run's next-token log-probabilities, ``[score, vocab]``)
     the run also records ``kl``: the summed KL(fp || this cache) over the scored positions, a
     lower-variance measure of the same damage PPL sees. ``keep_logprobs`` returns this run's
     log-probabilities (to serve as the reference); otherwise the second item is ``None``.
-    ``attention`` is the kvq caches' attention mode ("dequant" or "codes").
+    ``attention`` is the kvq caches' attention mode ("dequant" or "codes"); ``cache`` is a fresh
+    cache built by the caller for ``cfg`` (``kvq tune``'s trial caches), else one is built here.
     """
     import torch
 
-    cache = build_cache(cfg, model.config, backend, attention=attention)
+    if cache is None:
+        cache = build_cache(cfg, model.config, backend, attention=attention)
     decode_view = getattr(model.config, "_attn_implementation", None) == "kvq"
     t0 = time.perf_counter()
     kept = []
@@ -117,7 +120,7 @@ def score_window(model: Any, ids: Any, cfg: CacheConfig, prefix: int, score: int
         else:
             model(ids[:, :prefix], cache=cache, use_cache=True)
         prefill_s = time.perf_counter() - t0
-        if decode_view and cfg.kind == "kvq":
+        if decode_view and cfg.kind in KVQ_KINDS:
             cache.chunks = "decode"  # scoring chunks see what token-by-token decoding sees
         nll, kl, pos = 0.0, 0.0, prefix
         t1 = time.perf_counter()
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from kvq_core.eval.model import load_model
-    from kvq_core.eval.text import load_text
+    from kvq_core.eval.text import load_text, text_part
 
     configs = expand_seeds([parse_config(m) for m in args.methods], args.seeds)
     labels = [c.label for c in configs]
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     # the kvq attention function falls back to sdpa for everything but kvq caches' multi-token
     # sliding steps; --attn kvq also makes kvq caches attend from their codes
     attention = "codes" if args.attn == "kvq" else "dequant"
-    text, source = load_text(args.text_file, args.dataset)  # before the model: a missing text fails fast
+    text, source = text_part(*load_text(args.text_file, args.dataset), args.text_part)  # before the model: a missing text fails fast
     model, tok, info = load_model(args.model, attn_implementation=args.attn or "kvq", threads=args.threads)
     ids_all = tok(text, return_tensors="pt").input_ids
     length = args.prefix + args.score + 1

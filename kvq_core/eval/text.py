@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -149,3 +150,28 @@ def load_text(text_file: str | None = None, dataset: str | None = None) -> tuple
     else:
         path = default_text_path() or download_wikitext()
     return path.read_text(encoding="utf-8"), str(path)
+
+
+#: Which part of a text a run reads (:func:`text_part`).
+TEXT_PARTS = ("all", "calibration", "evaluation")
+_ARTICLE = re.compile(r"\n = [^=\n][^\n]* = \n")  # a WikiText article heading, `` = Title = ``
+
+
+def split_text(text: str) -> tuple[str, str]:
+    """(first part, second part): cut at the first article heading (`` = Title = ``) after the
+    middle (the middle itself where there is none), so the two parts share no article."""
+    m = _ARTICLE.search(text, len(text) // 2)
+    cut = m.start() + 1 if m else len(text) // 2
+    return text[:cut], text[cut:]
+
+
+def text_part(text: str, source: str, part: str) -> tuple[str, str]:
+    """``(text, source)`` of ``part``: "all", "calibration" (the first part of :func:`split_text`,
+    what ``kvq tune`` reads by default) or "evaluation" (the second part, disjoint from it)."""
+    if part not in TEXT_PARTS:
+        raise ValueError(f"text part {part!r}; expected one of {TEXT_PARTS}")
+    if part == "all":
+        return text, source
+    first, second = split_text(text)
+    chosen, (a, b) = (first, (0, len(first))) if part == "calibration" else (second, (len(first), len(text)))
+    return chosen, f"{source} [{part} part: characters {a}-{b}, cut at the article heading after the middle]"

@@ -82,6 +82,16 @@ def _resolve_layers(spec_layers: Iterable[int] | None, n: int, what: str) -> set
     return out
 
 
+def _resolve_params(params: Mapping[Any, Mapping[str, Any]] | None, n: int, what: str) -> dict[int, dict[str, Any]]:
+    """``{layer: overrides}`` with each layer an index into ``n`` layers (negative ones from the end;
+    the digits of a JSON key, e.g. a plan's ``"3"``, are accepted)."""
+    out = {}
+    for key, over in (params or {}).items():
+        i = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        out[next(iter(_resolve_layers([i], n, what)))] = dict(over)
+    return out
+
+
 class KVQCache(Cache):
     """A transformers ``Cache`` storing K/V with a kvq method, built from a model config.
 
@@ -117,6 +127,9 @@ class KVQCache(Cache):
             ``method`` and ``method_params`` updated with ``value_params`` (e.g. ``{"bits": 2}``
             with ``bits=3`` gives 3-bit keys and 2-bit values).
         layer_params: ``{layer: {param: value}}`` overrides for keys and values of one layer.
+        value_layer_params: ``{layer: {param: value}}`` overrides for the values of one layer,
+            applied last (per-layer, per-K/V bit widths: ``layer_params={3: {"bits": 3}},
+            value_layer_params={3: {"bits": 2}}``).
         attention: "auto" (codes when the config's attention implementation is "kvq"),
             "dequant" or "codes".
         cache_decoded: keep decoded history per layer in dequant mode (exact, faster, not smaller).
@@ -139,6 +152,7 @@ class KVQCache(Cache):
         value_method: str | None = None,
         value_params: Mapping[str, Any] | None = None,
         layer_params: Mapping[int, Mapping[str, Any]] | None = None,
+        value_layer_params: Mapping[int, Mapping[str, Any]] | None = None,
         attention: str = "auto",
         cache_decoded: bool = True,
         sliding_layers: str = "quantize",
@@ -165,7 +179,8 @@ class KVQCache(Cache):
         n = len(layer_types)
         self.fp_layers = _resolve_layers(fp_layers, n, "fp_layers")
         self.fp_key_layers = _resolve_layers(fp_key_layers, n, "fp_key_layers")
-        layer_params = {int(k) % n: dict(v) for k, v in (layer_params or {}).items()}
+        layer_params = _resolve_params(layer_params, n, "layer_params")
+        value_layer_params = _resolve_params(value_layer_params, n, "value_layer_params")
         self.method_params = dict(method_params)
         layers: list[Any] = []
         self.exact_layers: dict[int, str] = {}  # layer -> why its K/V stay in full precision
@@ -177,13 +192,13 @@ class KVQCache(Cache):
                     self.exact_layers[i] = "fp_layers" if i in self.fp_layers else (
                         "sliding_layers='exact'" if kind == "sliding_attention" else f"layer type {kind!r}")
                 continue
-            over = layer_params.get(i, {})
+            over, vover = layer_params.get(i, {}), value_layer_params.get(i, {})
             key_params = {**method_params, **over, "head_dim": head_dim}
             key_spec = make_spec("fp16", head_dim=head_dim) if i in self.fp_key_layers else make_spec(method, **key_params)
             if value_method is None:
-                value_spec = make_spec(method, **{**key_params, **(value_params or {}), "head_dim": value_dim})
+                value_spec = make_spec(method, **{**key_params, **(value_params or {}), **vover, "head_dim": value_dim})
             else:
-                value_spec = make_spec(value_method, **{**(value_params or {}), **over, "head_dim": value_dim})
+                value_spec = make_spec(value_method, **{**(value_params or {}), **over, **vover, "head_dim": value_dim})
             base = value_spec if i in self.fp_key_layers else key_spec
             r = residual if residual is not None else type(base).default_residual
             f = flush
@@ -219,6 +234,21 @@ class KVQCache(Cache):
         # layer states at the start of this step, kept until the next step starts (layer 0), so an
         # error of the attention function on the last layer's output still rolls the step back
         self._step: dict[int, dict[str, Any]] | None = None
+
+    @classmethod
+    def from_plan(cls, config: Any, path: Any, *, backend: str = "auto", attention: str = "auto",
+                  **options: Any) -> KVQCache:
+        """The cache a ``kvq tune`` plan file describes (:mod:`kvq_core.plan`), for ``config``'s model.
+
+        Refused (:class:`~kvq_core.errors.PlanError`, with the reason) when the plan was tuned for a
+        model with another layer count or head shapes, or is of a newer format. ``options`` (e.g.
+        ``cache_decoded=False``) are passed to the constructor beside the plan's arguments.
+        """
+        from kvq_core.plan import load_plan, check_model
+
+        plan = load_plan(path)
+        check_model(plan, config, where=f"plan {path}")
+        return cls(config, backend=backend, attention=attention, **{**plan["cache"], **options})
 
     def __repr__(self) -> str:
         return f"KVQCache(method={self.method!r}, backend={self.backend!r}, params={self.method_params}, layers={len(self.layers)})"
