@@ -17,6 +17,7 @@ FORWARDED = {
     ("bench", "decode"): "kvq_core.bench.decode",
     ("eval", "ppl"): "kvq_core.eval.ppl",
     ("eval", "niah"): "kvq_core.eval.niah",
+    ("eval", "frontier"): "kvq_core.eval.frontier",
     ("export", "onnx"): "kvq_core.onnx.cli",
 }
 
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("warmup", help="compile the kernels a model's cache needs, once (add --help for options)",
                    add_help=False)
     sub.add_parser("tune", help="search a cache plan under a true-bits budget (add --help for options)", add_help=False)
-    for group, names in (("bench", ("fidelity", "speed", "decode")), ("eval", ("ppl", "niah")), ("export", ("onnx",))):
+    for group, names in (("bench", ("fidelity", "speed", "decode")), ("eval", ("ppl", "niah", "frontier")), ("export", ("onnx",))):
         gp = sub.add_parser(group, help=f"{group}: {', '.join(names)} (add --help after the name)")
         gp.add_argument("name", choices=names)
     return p

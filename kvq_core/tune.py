@@ -303,16 +303,21 @@ def sensitivity_table(cal: Calibration, method: str, base: Option, options: Sequ
     return table
 
 
-def tune(model: Any, ids: Any, *, budget: float, context: int = 2048, method: str = DEFAULT_METHOD,
-         base: Option | None = None, options: Sequence[Option] = (), residuals: Sequence[int] = (32,),
-         exact_keys: bool = True, score: int = 64, windows: int = 2, samples: int = 2, fit_seeds: int = 0,
-         check: int = 0, backend: str = "auto", cache_file: Path | None = None, model_name: str | None = None,
-         text_name: str = "", progress: bool = True) -> dict[str, Any]:
+def tune(model: Any, ids: Any, *, budget: float, **kwargs: Any) -> dict[str, Any]:
     """Search a plan for ``model`` on calibration token ids ``ids`` (``[1, N]``) at ``budget`` true
-    bits per element at ``context`` tokens; returns the plan (see the module docstring)."""
-    from tqdm.auto import tqdm
+    bits per element (the arguments of :func:`tune_plans`); returns the plan."""
+    return tune_plans(model, ids, budgets=[budget], **kwargs)[0]
 
-    from kvq_core.hf import KVQCache
+
+def tune_plans(model: Any, ids: Any, *, budgets: Sequence[float], context: int = 2048, method: str = DEFAULT_METHOD,
+               base: Option | None = None, options: Sequence[Option] = (), residuals: Sequence[int] = (32,),
+               exact_keys: bool = True, score: int = 64, windows: int = 2, samples: int = 2, fit_seeds: int = 0,
+               unfitted: bool = False, check: int = 0, backend: str = "auto", cache_file: Path | None = None,
+               model_name: str | None = None, text_name: str = "", progress: bool = True) -> list[dict[str, Any]]:
+    """Plans for ``model`` on calibration token ids ``ids`` (``[1, N]``), one per budget in ``budgets``
+    (true bits per element at ``context`` tokens) and, with ``fit_seeds`` and ``unfitted``, one
+    without the fitted seeds beside each (the comparison); one calibration and one sensitivity
+    table serve them all (see the module docstring)."""
     from kvq_core.registry import make_spec
 
     t0 = time.perf_counter()
@@ -330,13 +335,15 @@ def tune(model: Any, ids: Any, *, budget: float, context: int = 2048, method: st
     seed_bits = 8 * SEED_BYTES / (ident["kv_heads"] * context * ident["head_dim"]) if fit_seeds else 0.0
     cheapest, at = min((sum(min(slot_bits(method, {**base, **o}, k, ident, context, r) for o in options)
                             for k in KINDS) / len(KINDS) + seed_bits, r) for r in residuals)
+    budget = min(budgets)
     if budget < cheapest - 1e-12:
         raise InputError(f"budget {budget:g} bits/element at {context} tokens is below the cheapest plan of these "
                          f"options, {cheapest:.4f} bits/element (the cheapest option in every slot, residual={at}); "
                          f"pass a budget >= {math.ceil(cheapest * 1e4) / 1e4:.4f}")
     cal = Calibration(model, ids, context, score, windows, backend)
     has_seed = "seed" in make_spec(method).to_dict()
-    seeds: list[int | None] = list(range(fit_seeds)) if fit_seeds else [make_spec(method).seed if has_seed else None]
+    plain: list[int | None] = [make_spec(method).seed if has_seed else None]
+    seeds = sorted(set(range(fit_seeds)) | (set(plain) if unfitted or not fit_seeds else set()), key=str)
     setup = json.dumps({"model": ident, "text": text_name, "starts": cal.starts, "context": context, "score": score,
                         "method": method, "base": base, "samples": samples}, sort_keys=True)
     store = TableCache(cache_file)
@@ -351,6 +358,30 @@ def tune(model: Any, ids: Any, *, budget: float, context: int = 2048, method: st
                                        progress))
         store.put(key, table)
     t_table = time.perf_counter() - t0
+    plans = []
+    for fitted in ([True, False] if fit_seeds and unfitted else [bool(fit_seeds)]):
+        for b in budgets:
+            plans.append(_plan(model, cal, table, b, fitted, list(range(fit_seeds)) if fitted else plain, ident=ident,
+                               context=context, method=method, base=base, options=options, residuals=residuals,
+                               exact_keys=exact_keys, samples=samples, fit_seeds=fit_seeds if fitted else 0,
+                               check=check, backend=backend, flush=flush, cached=cached, t_table=t_table,
+                               text_name=text_name, progress=progress))
+    return plans
+
+
+def _plan(model: Any, cal: Calibration, table: Mapping[str, float], budget: float, fitted: bool,
+          seeds: Sequence[int | None], *, ident: Mapping[str, Any], context: int, method: str, base: Option,
+          options: Sequence[Option], residuals: Sequence[int], exact_keys: bool, samples: int, fit_seeds: int,
+          check: int, backend: str, flush: str, cached: bool, t_table: float, text_name: str,
+          progress: bool) -> dict[str, Any]:
+    """One plan from the sensitivity ``table``: the allocation at ``budget``, verified on ``cal``."""
+    from tqdm.auto import tqdm
+
+    from kvq_core.hf import KVQCache
+
+    t_start = time.perf_counter()
+    n = ident["layers"]
+    seed_bits = 8 * SEED_BYTES / (ident["kv_heads"] * context * ident["head_dim"]) if fitted else 0.0
 
     def best_seed(r: int, i: int, k: str, o: Option) -> tuple[float, int | None]:
         return min((table[f"{r}|{i}|{k}|{option_key(o)}|{s}"], s) for s in seeds)
@@ -380,12 +411,12 @@ def tune(model: Any, ids: Any, *, budget: float, context: int = 2048, method: st
     slot_info = []
     for (i, k, choices), j in zip(labels, pick):
         o, kl, s = choices[j]
-        if o is not None and fit_seeds:
+        if o is not None and fitted:
             o = {**o, "seed": int(s)}
         choice[(i, k)] = o
         slot_info.append({"layer": i, "kind": k, "option": option_key(o), "predicted_kl": kl})
     cache = plan_cache(method, base, r, choice, n)
-    extra = SEED_BYTES * sum(o is not None for o in choice.values()) if fit_seeds else 0
+    extra = SEED_BYTES * sum(o is not None for o in choice.values()) if fitted else 0
     bits = cache_bits(cache, ident, context, extra)
     t1 = time.perf_counter()
     kl = cal.kl(lambda: KVQCache(model.config, backend=backend, attention="dequant", **cache))
@@ -404,13 +435,14 @@ def tune(model: Any, ids: Any, *, budget: float, context: int = 2048, method: st
         "format": PLAN_FORMAT, "version": PLAN_VERSION, "model": ident, "context": context, "budget": budget,
         "bits_per_element": bits, "extra_bytes": extra, "calibration_kl": kl, "predicted_kl": total,
         "calibration": {"text": text_name, "windows": len(cal.starts), "window_starts": cal.starts,
-                        "prefix": cal.prefix, "score": score},
+                        "prefix": cal.prefix, "score": cal.score},
         "calibrated": {"fit_seeds": fit_seeds, "what": "per-slot rotation seed of the least predicted KL (the "
                        "calibration gradients and K/V)" if fit_seeds else "none"},
         "search": {"method": method, "base": base, "options": [option_key(o) for o in options],
                    "residuals": list(residuals), "exact_keys": exact_keys, "samples": samples,
                    "table_cached": cached, "table_seconds": round(t_table, 1),
-                   "seconds": round(time.perf_counter() - t0, 1), "verify_seconds": round(time.perf_counter() - t1, 1),
+                   "seconds": round(t_table + time.perf_counter() - t_start, 1),
+                   "verify_seconds": round(time.perf_counter() - t1, 1),
                    "checks": checks},
         "slots": slot_info,
         "cache": cache,
@@ -423,9 +455,12 @@ def tune(model: Any, ids: Any, *, budget: float, context: int = 2048, method: st
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq tune", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("--budget", type=float, required=True, help="true bits per K/V element at --context, everything stored")
+    p.add_argument("--budget", type=float, nargs="+", required=True,
+                   help="true bits per K/V element at --context, everything stored; several budgets make one plan each")
     p.add_argument("--context", type=int, default=2048, help="context length the budget holds at (default 2048)")
-    p.add_argument("--out", required=True, help="plan JSON to write")
+    p.add_argument("--out", required=True,
+                   help="plan JSON to write; with several budgets or --also-unfitted a template naming {budget} (and "
+                        "{fit}: 'fitted' or 'plain')")
     p.add_argument("--model", help="a .gguf file, a checkpoint directory or a hub name (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--text-file", help="calibration text (default: shared/data/wikitext2-test.txt)")
     p.add_argument("--text-part", choices=("all", "calibration", "evaluation"), default="calibration",
@@ -439,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-exact-keys", action="store_true", help="never keep a layer's keys exact")
     p.add_argument("--fit-seeds", type=int, default=0, metavar="N",
                    help="calibrated rotation: per slot the sign seed (of N) of least predicted KL (default off)")
+    p.add_argument("--also-unfitted", action="store_true",
+                   help="with --fit-seeds, also write each plan without the fitted seeds (the comparison)")
     p.add_argument("--score", type=int, default=64, help="scored tokens per calibration window (default 64)")
     p.add_argument("--windows", type=int, default=2, help="calibration windows (default 2)")
     p.add_argument("--samples", type=int, default=2, help="sampled continuations per window for the gradients (default 2)")
@@ -462,15 +499,23 @@ def main(argv: list[str] | None = None) -> int:
     model, tok, info = load_model(args.model, attn_implementation="kvq", threads=args.threads)
     ids = tok(text, return_tensors="pt").input_ids
     cache_file = None if args.cache_file == "none" else Path(args.cache_file or cache_dir() / f"tune-{info['name']}.json")
-    plan = tune(model, ids, budget=args.budget, context=args.context, method=args.method, base=parse_params(args.params),
-                options=[parse_params(o) for o in args.options], residuals=args.residuals,
-                exact_keys=not args.no_exact_keys, score=args.score, windows=args.windows, samples=args.samples,
-                fit_seeds=args.fit_seeds, check=args.check, backend=args.backend, cache_file=cache_file,
-                model_name=info["name"], text_name=source, progress=not args.quiet)
-    plan["calibration"]["load_average"] = os.getloadavg()
-    write_plan(plan, args.out)
-    print(f"kvq tune: {args.out}: {plan['bits_per_element']:.4f} true bits/element at {args.context} tokens "
-          f"(budget {args.budget:g}), calibration KL {plan['calibration_kl']:.4f} nats/token "
-          f"(predicted {plan['predicted_kl']:.4f}), residual {plan['cache']['residual']}, "
-          f"{plan['search']['seconds']:.0f} s")
+    several = len(args.budget) > 1 or (args.fit_seeds and args.also_unfitted)
+    if several and "{budget}" not in args.out:
+        raise InputError(f"--out {args.out}: several plans need a template naming {{budget}} (and {{fit}})")
+    if args.fit_seeds and args.also_unfitted and "{fit}" not in args.out:
+        raise InputError(f"--out {args.out}: --also-unfitted needs a template naming {{fit}}")
+    plans = tune_plans(model, ids, budgets=args.budget, context=args.context, method=args.method,
+                       base=parse_params(args.params), options=[parse_params(o) for o in args.options],
+                       residuals=args.residuals, exact_keys=not args.no_exact_keys, score=args.score,
+                       windows=args.windows, samples=args.samples, fit_seeds=args.fit_seeds, unfitted=args.also_unfitted,
+                       check=args.check, backend=args.backend, cache_file=cache_file, model_name=info["name"],
+                       text_name=source, progress=not args.quiet)
+    for plan in plans:
+        plan["calibration"]["load_average"] = os.getloadavg()
+        out = args.out.format(budget=f"{plan['budget']:g}", fit="fitted" if plan["calibrated"]["fit_seeds"] else "plain")
+        write_plan(plan, out)
+        print(f"kvq tune: {out}: {plan['bits_per_element']:.4f} true bits/element at {args.context} tokens "
+              f"(budget {plan['budget']:g}), calibration KL {plan['calibration_kl']:.4f} nats/token "
+              f"(predicted {plan['predicted_kl']:.4f}), residual {plan['cache']['residual']}, "
+              f"{plan['search']['seconds']:.0f} s")
     return 0
