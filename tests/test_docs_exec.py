@@ -48,6 +48,8 @@ TINY: dict[tuple[str, ...], list[str]] = {
     ("eval", "niah"): ["--model", "{model}", "--text-file", "{text}", "--methods", "fp", "oscar:bits=2,residual=32",
                        "--tasks", "passkey", "--contexts", "320", "--depths", "0.5", "--answer-tokens", "3", "--quiet"],
     ("export", "onnx"): [],
+    ("tune",): ["--model", "{model}", "--text-file", "{text}", "--budget", "4.5", "--context", "64", "--score", "8",
+                "--windows", "1", "--residuals", "0", "--cache-file", "none", "--quiet"],
 }
 #: what each command writes into $KVQ_RESULTS (the default --out), relative to it
 WRITES = {
@@ -58,10 +60,12 @@ WRITES = {
     ("eval", "niah"): ["eval_niah.json", "eval_niah.md", "eval_summary.md"],
 }
 #: commands that take tens of seconds even when tiny (a model load, an ONNX trace)
-SLOW = {("warmup",), ("bench", "decode"), ("eval", "ppl"), ("eval", "niah"), ("export", "onnx")}
+SLOW = {("warmup",), ("bench", "decode"), ("eval", "ppl"), ("eval", "niah"), ("export", "onnx"), ("tune",)}
 #: Python examples that do not run here: (file name, text the block contains) -> why
 SKIPPED = {
     ("README.md", "LLM(model="): "needs vLLM in its own environment: plugins/kvq-vllm/ci.sh runs the plugin",
+    ("README.md", "KVQCache.from_plan(model.config, \"bench/results/plans/"): "loads SmolLM2-135M with a plan tuned for "
+    "it; tests/test_tune.py builds caches from plans on a tiny model",
     ("plugins.md", '"""my_kvq_backend:'): "tests/test_docs_plugins.py installs this module with pip and runs it",
 }
 #: Python examples that run for tens of seconds (an ONNX trace, a conformance run)
@@ -172,7 +176,7 @@ def test_every_command_list_line_has_its_tiny_form() -> None:
 
 
 def _needs(key: tuple[str, ...]) -> None:
-    if key[0] in ("eval",) or key == ("bench", "decode"):
+    if key[0] in ("eval", "tune") or key == ("bench", "decode"):
         for mod in ("torch", "transformers", "gguf", "accelerate", "tqdm"):
             pytest.importorskip(mod)
     if key == ("export", "onnx"):
@@ -198,6 +202,10 @@ def test_command_list_line_runs(line: str, sandbox: Path, tiny: dict[str, str], 
         assert (sandbox / "results" / name).is_file(), f"kvq {' '.join(full)} did not write {name}"
     if key == ("list",):
         assert all(f"  {m.name} " in out for m in kvq_core.list_methods())
+    if key == ("tune",):  # the plan it names, built back into a cache
+        from kvq_core.plan import load_plan
+
+        assert load_plan(sandbox / "plan.json")["bits_per_element"] <= 4.5
     if key == ("demo",):
         assert all(re.search(rf"^\| {m.name}", out, re.M) for m in kvq_core.list_methods() if m.available)
     if key == ("export", "onnx"):
@@ -216,10 +224,14 @@ def test_bench_and_eval_help_name_the_default_results_folder(monkeypatch, capsys
 # every other kvq command in the docs parses
 # ------------------------------------------------------------------------------------------------
 def _parser(key: tuple[str, ...]):
-    if key in (("bench", "fidelity"), ("bench", "speed"), ("bench", "decode"), ("eval", "ppl"), ("eval", "niah")):
+    if key in cli.FORWARDED and key != ("export", "onnx"):
         import importlib
 
         return importlib.import_module(cli.FORWARDED[key]).build_parser()
+    if key == ("tune",):
+        from kvq_core.tune import build_parser
+
+        return build_parser()
     if key == ("export", "onnx"):
         pytest.importorskip("torch")
         from kvq_core.onnx.cli import build_parser
