@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -121,8 +122,10 @@ class Calibration:
     """The calibration windows of one model: each window's exact prefill, the fp next-token
     log-probabilities of its scored tokens, and KL of a trial cache against them."""
 
-    def __init__(self, model: Any, ids: Any, context: int, score: int, windows: int, backend: str = "auto") -> None:
+    def __init__(self, model: Any, ids: Any, context: int, score: int, windows: int, backend: str = "auto",
+                 progress: bool = False) -> None:
         import torch
+        from tqdm.auto import tqdm
         from transformers import DynamicCache
 
         from kvq_core.eval.caches import CacheConfig
@@ -140,7 +143,7 @@ class Calibration:
         self.fp_cfg = CacheConfig("fp", "fp")
         self.trial_cfg = CacheConfig("trial", "plan")
         self.windows = []
-        for s in self.starts:
+        for s in tqdm(self.starts, desc="tune: calibration windows (fp prefill and reference)", disable=not progress):
             w = ids[:, s:s + length]
             shared = DynamicCache(config=model.config)
             with torch.no_grad():
@@ -340,7 +343,7 @@ def tune_plans(model: Any, ids: Any, *, budgets: Sequence[float], context: int =
         raise InputError(f"budget {budget:g} bits/element at {context} tokens is below the cheapest plan of these "
                          f"options, {cheapest:.4f} bits/element (the cheapest option in every slot, residual={at}); "
                          f"pass a budget >= {math.ceil(cheapest * 1e4) / 1e4:.4f}")
-    cal = Calibration(model, ids, context, score, windows, backend)
+    cal = Calibration(model, ids, context, score, windows, backend, progress)
     has_seed = "seed" in make_spec(method).to_dict()
     plain: list[int | None] = [make_spec(method).seed if has_seed else None]
     seeds = sorted(set(range(fit_seeds)) | (set(plain) if unfitted or not fit_seeds else set()), key=str)
@@ -419,6 +422,8 @@ def _plan(model: Any, cal: Calibration, table: Mapping[str, float], budget: floa
     extra = SEED_BYTES * sum(o is not None for o in choice.values()) if fitted else 0
     bits = cache_bits(cache, ident, context, extra)
     t1 = time.perf_counter()
+    if progress:
+        print(f"kvq tune: budget {budget:g}{' (fitted seeds)' if fitted else ''}: verifying the plan's KL", file=sys.stderr)
     kl = cal.kl(lambda: KVQCache(model.config, backend=backend, attention="dequant", **cache))
     checks = []
     if check:  # the proxy against the real KL of single slots: the most sensitive at the plan's choice
