@@ -13,6 +13,9 @@ plans were not tuned on, e.g.::
     kvq eval niah --text-part evaluation --contexts 2048 --methods fp ... --out bench/results/frontier/niah.json
     kvq eval frontier --ppl bench/results/frontier/ppl.json --niah bench/results/frontier/niah.json
 
+Several ``--ppl`` (``--niah``) files of the same windows (prompts) are joined, e.g. built-in codecs
+and plans evaluated in separate runs.
+
 The goal (issue 28): at most ``--goal-bits`` true bits with Δ PPL at most ``--goal-ppl`` %, KL at
 most ``--goal-kl`` nats per token and recall within ``--goal-recall`` of fp.
 """
@@ -59,6 +62,27 @@ def rows(ppl: dict[str, Any], niah: dict[str, Any] | None, context: int) -> list
             both = [row[t] for t in ("passkey", "multikey") if row[t] is not None]
             row["recall"] = sum(both) / len(both) if both else None
         out.append(row)
+    return out
+
+
+def merge(results: list[dict[str, Any]], rows_key: str) -> dict[str, Any]:
+    """One result from several runs of one protocol: the first run's header, every run's
+    configurations and ``rows_key`` rows (a label already seen in an earlier run is skipped).
+    Refused when the runs' windows or prompts differ."""
+    first = results[0]
+    keep = ("windows", "prefix", "score") if rows_key == "summary" else ("tasks", "depths", "trials", "seed", "haystack")
+    for r in results[1:]:
+        diff = [k for k in keep if r["protocol"].get(k) != first["protocol"].get(k)]
+        if diff:
+            raise ValueError(f"results of different protocols cannot be joined: {', '.join(diff)} differ")
+    out = {**first, "configs": [], rows_key: [], "groups": []}
+    seen: set[str] = set()
+    for r in results:
+        new = {c["label"] for c in r["configs"]} - seen
+        out["configs"] += [c for c in r["configs"] if c["label"] in new]
+        out[rows_key] += [x for x in r[rows_key] if x["label"] in new]
+        out["groups"] += [g for g in r.get("groups", []) if g["group"] in new]
+        seen |= new
     return out
 
 
@@ -158,8 +182,10 @@ def _frac(ax: Any, x: float) -> float:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq eval frontier", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("--ppl", required=True, help="a kvq eval ppl results JSON")
-    p.add_argument("--niah", default=None, help="a kvq eval niah results JSON (recall at --context)")
+    p.add_argument("--ppl", nargs="+", required=True,
+                   help="kvq eval ppl results JSON(s) on the same windows (a label's first appearance counts)")
+    p.add_argument("--niah", nargs="+", default=None,
+                   help="kvq eval niah results JSON(s) with the same prompts (recall at --context)")
     p.add_argument("--context", type=int, default=2048, help="context of the recall columns (default 2048)")
     p.add_argument("--goal-bits", type=float, default=2.5)
     p.add_argument("--goal-ppl", type=float, default=5.0, help="Δ PPL in percent (default 5)")
@@ -174,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``kvq eval frontier``: join the results, write the table and the figure."""
     args = build_parser().parse_args(argv)
-    ppl = json.loads(Path(args.ppl).read_text(encoding="utf-8"))
-    niah = json.loads(Path(args.niah).read_text(encoding="utf-8")) if args.niah else None
+    ppl = merge([json.loads(Path(p).read_text(encoding="utf-8")) for p in args.ppl], "summary")
+    niah = merge([json.loads(Path(p).read_text(encoding="utf-8")) for p in args.niah], "runs") if args.niah else None
     goal = {"bits": args.goal_bits, "ppl": args.goal_ppl, "kl": args.goal_kl, "recall": args.goal_recall}
     table = rows(ppl, niah, args.context)
     out = Path(args.out)
