@@ -26,6 +26,14 @@ Search:
    KL is the plan's ``calibration_kl`` (``predicted_kl`` beside it). ``--check N`` also measures
    the real KL of the N most sensitive chosen slots alone, against their prediction.
 
+Limits (measured on SmolLM2-135M at 2048 tokens, issue 28): the prediction is far below the real
+KL. With ``--residuals 0 16 32 64`` the search chose W = 0 at a 2.5-bit budget, predicted 0.016
+nats/token and measured 0.94; single slots were measured 4-20 times above their prediction
+(``--check``). The gradients see only the exact *prefix* perturbed, while a decoding query also
+reads its own recent tokens quantized once they leave the window, and the slots' damage adds up
+super-linearly. ``calibration_kl`` (measured) is the number to trust; keep W at the window the
+method needs (the default 32).
+
 ``--fit-seeds N`` is the calibrated ingredient: per layer, K/V and option, the rotation sign seed
 (of N) whose error on the calibration K/V has the least predicted KL is chosen and stored in the
 plan (4 bytes per quantized slot, counted in its bits).
