@@ -12,7 +12,7 @@ def _ppl(labels: dict[str, tuple[str, float, float, float]], windows=(0, 1)) -> 
     """A ppl result: label -> (kind, true bits, delta %, kl)."""
     return {"protocol": {"windows": list(windows), "prefix": 96, "score": 32}, "model": {"name": "m"}, "text": "t",
             "configs": [{"label": k, "kind": v[0], "bits": 2} for k, v in labels.items()],
-            "summary": [{"label": k, "bits_per_element": v[1], "ppl": 10 * (1 + v[2] / 100), "delta_pct": v[2], "kl": v[3]}
+            "summary": [{"label": k, "windows": 2, "bits_per_element": v[1], "ppl": 10 * (1 + v[2] / 100), "delta_pct": v[2], "kl": v[3]}
                         for k, v in labels.items()], "groups": []}
 
 
@@ -31,7 +31,7 @@ def test_rows_join_recall_and_judge_the_goal() -> None:
     assert meets_goal(table["a"], table["fp"]["recall"], GOAL) is True
     assert meets_goal(table["b"], table["fp"]["recall"], GOAL) is False  # Δ PPL over 5% and recall 0.5 below fp
     text = format_table(list(table.values()), GOAL, 2048)
-    assert "| a | kvq | 2.40 |" in text and "tuned plan" in text
+    assert "| a | kvq | 2.40 |" in text and "tuned plan" in text and "| 0.75 | 2 | yes |" in text
 
 
 def test_merge_keeps_a_labels_first_run_and_refuses_other_windows() -> None:

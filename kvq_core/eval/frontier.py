@@ -47,7 +47,7 @@ def rows(ppl: dict[str, Any], niah: dict[str, Any] | None, context: int) -> list
         row = {"label": name, "kind": cfg["kind"], "bits": cfg["bits"], "true_bits": members[0]["bits_per_element"],
                "ppl": sum(x["ppl"] for x in members) / len(members),
                "delta_pct": _mean([x.get("delta_pct") for x in members]), "kl": _mean([x.get("kl") for x in members]),
-               "seeds": len(members)}
+               "seeds": len(members), "windows": min(x.get("windows", 0) for x in members)}
         if name in groups:
             g = groups[name]
             row["delta_sd"] = g["delta_sd"]
@@ -116,8 +116,8 @@ def format_table(table: list[dict[str, Any]], goal: dict[str, float], context: i
     fp = next((r for r in table if r["kind"] == "fp"), None)
     fp_recall = fp.get("recall") if fp else None
     lines = [f"| configuration | kind | true bits/elt | PPL | Δ vs fp | KL vs fp (nats/token) | passkey @{context} | "
-             f"multikey @{context} | recall @{context} | goal |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"multikey @{context} | recall @{context} | PPL windows | goal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(table, key=lambda r: (-r["true_bits"] if r["kind"] == "fp" else r["true_bits"])):
         delta = _f(r.get("delta_pct"), "+.1f") + "%" if r.get("delta_pct") is not None else "-"
         if r.get("delta_sd") is not None:
@@ -127,7 +127,7 @@ def format_table(table: list[dict[str, Any]], goal: dict[str, float], context: i
         rec = [(_f(r.get(t), ".2f") + (f" (n={r[t + '_n']})" if r.get(t + "_n") else "")) for t in ("passkey", "multikey")]
         lines.append(f"| {r['label']} | {'tuned plan' if r['kind'] == 'plan' else r['kind']} | {r['true_bits']:.2f} | "
                      f"{r['ppl']:.3f} | {delta} | {kl} | {rec[0]} | {rec[1]} | {_f(r.get('recall'), '.2f')} | "
-                     f"{'-' if ok is None else ('yes' if ok else 'no')} |")
+                     f"{r.get('windows', '-')} | {'-' if ok is None else ('yes' if ok else 'no')} |")
     return "\n".join(lines)
 
 
