@@ -31,6 +31,12 @@ class OctopusNumba:
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
         self._cuda: Any = None
         self._table: tuple[Any, np.ndarray] | None = None
+        #: values stored as float16 rows (original domain) rather than coded (rotated domain)
+        self.values_fp16 = self._fp16_values(spec)
+
+    @staticmethod
+    def _fp16_values(spec: Any) -> bool:
+        return spec.values == "fp16"
 
     def _gpu(self) -> Any:
         if self._cuda is None:
@@ -78,14 +84,14 @@ class OctopusNumba:
     def encode_values(self, v: Any, ctx: KernelContext) -> Fields:
         if is_cuda_input(v):
             return self._gpu().encode_values(v, ctx)
-        if self.spec.values == "fp16":
+        if self.values_fp16:
             return {"data": as_float32(v).astype(np.float16)}
         return threads.run(math.prod(ctx.shape) * threads.OCTOPUS_ENCODE_WEIGHT, self._encode, v, ctx.consts)
 
     def decode_values(self, fields: Fields, ctx: KernelContext) -> Any:
         if is_cuda_input(next(iter(fields.values()))):
             return self._gpu().decode_values(fields, ctx)
-        if self.spec.values == "fp16":
+        if self.values_fp16:
             return np.asarray(fields["data"]).astype(np.float32)
         return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode, fields, ctx.consts)
 
@@ -101,7 +107,7 @@ class OctopusNumba:
         hk = ctx.shape[1]
         signs = np.ascontiguousarray(ctx.consts["signs"])
         qr = cpu_octopus.signed_rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d), signs, self.inv_sqrt_d)
-        fp16 = self.spec.values == "fp16"
+        fp16 = self.values_fp16
         out, lse = cpu_attend_octopus.attend_octopus(qr, *self._block_args(kfields, vfields, ctx, scale))
         if not fp16:
             out = cpu_octopus.signed_unrotate(out, signs, self.inv_sqrt_d)
@@ -109,7 +115,7 @@ class OctopusNumba:
 
     def _block_args(self, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, ...]:
         """A block's fields and the decode constants, in the attend kernels' argument order (after the queries)."""
-        fp16 = self.spec.values == "fp16"
+        fp16 = self.values_fp16
         return (np.ascontiguousarray(kfields["codes"]), as_float32(kfields["norm"]),
                 _NO_CODES if fp16 else np.ascontiguousarray(vfields["codes"]),
                 _NO_NORMS if fp16 else as_float32(vfields["norm"]),
@@ -144,5 +150,5 @@ class OctopusNumba:
             pacc.reshape(-1, pacc.shape[1] // d, d)[...] *= signs[plan[:, 1]][:, None, :]
 
         out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)),
-                                  None if self.spec.values == "fp16" else back, scale)
+                                  None if self.values_fp16 else back, scale)
         return cpu_window.ungrouped(out, b, lq, g), cpu_window.ungrouped(lse, b, lq, g)
