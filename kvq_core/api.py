@@ -283,7 +283,7 @@ class Quantizer:
         """Whether :meth:`attend_window` runs for queries like ``q``: the backend has a fused kernel
         for this spec on ``q``'s device (numba on the CPU for OScaR/KIVI 2- and 4-bit rows, OCTOPUS)."""
         fused = getattr(self.kernels, "fuses_window", None)
-        return fused is not None and bool(fused(self._device_of(q) if self._device_of is not None else None))
+        return fused is not None and bool(fused(q))
 
     def attend_window(self, q: Any, blocks: Sequence[tuple[PackedKV, PackedKV]], window_k: Any, window_v: Any,
                       scale: float | None = None, *, layer: int | None = None) -> tuple[Any, Any]:

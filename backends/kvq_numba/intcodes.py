@@ -142,9 +142,9 @@ class IntCodesNumba:
                 norm, self.token_scaling, np.ascontiguousarray(vfields["codes"]), half_bits(vfields["scale"]),
                 half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
 
-    def fuses_window(self, device: str | None) -> bool:
-        """:meth:`attend_window` runs on the CPU for code rows the vector kernel takes (cpu_attend_planes.fits)."""
-        return device in (None, "cpu") and cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group)
+    def fuses_window(self, q: Any) -> bool:
+        """:meth:`attend_window` runs for host queries over code rows the vector kernel takes (cpu_attend_planes.fits)."""
+        return not is_cuda_input(q) and cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group)
 
     def attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                       ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:

@@ -122,9 +122,9 @@ class OctopusNumba:
                 half_bits(vfields["data"]) if fp16 else _NO_HALVES, fp16,
                 *self._books(ctx.consts), np.float32(scale))
 
-    def fuses_window(self, device: str | None) -> bool:
-        """:meth:`attend_window` runs on the CPU."""
-        return device in (None, "cpu")
+    def fuses_window(self, q: Any) -> bool:
+        """:meth:`attend_window` runs for host queries (NumPy, CPU tensors)."""
+        return not is_cuda_input(q)
 
     def attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                       ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
