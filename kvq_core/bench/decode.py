@@ -363,7 +363,7 @@ def render_md(res: dict[str, Any]) -> str:
              f"tokens/s: median of {a['repeats']} segment(s) of {a['new']} steps, run round-robin over the caches; "
              f"ratio: to DynamicCache on the same prompt in this run. Per-step ms by part (disjoint, summing to the "
              f"step): one instrumented segment of {a['profile_steps']} steps; *codes* is the share of attention spent "
-             "in `Quantizer.attend`, *decode* the codec decode inside cache or attention. Same tokens: greedy tokens "
+             "in `Quantizer.attend_window` (blocks and exact window in one call) or `Quantizer.attend`, *decode* the codec decode inside cache or attention. Same tokens: greedy tokens "
              "equal to DynamicCache's, position by position (first difference in brackets)."
              + (f" *Contended*: median of {a['contended_repeats']} segment(s) at the default thread settings "
                 f"(torch {m['default_threads']['torch']}, Numba {m['default_threads']['numba']} thread(s)) while a "
