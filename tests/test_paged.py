@@ -155,7 +155,7 @@ def test_numba_matches_reference(method: str, params: dict, dense_min: str, monk
     from kvq_numba.paged import PagedNumba
 
     assert PagedNumba(kvq_core.make_spec(method, head_dim=D, **params)).fast
-    assert 3 < paged.DENSE_MIN_QUERY <= 17  # the cases' q_lens 1, 3 stay on the codes; 17, 32, 33, 64 are decoded
+    assert 7 < paged.DENSE_MIN_QUERY <= 16  # the cases split: q_lens 1, 3, 4, 7 stay on the codes, 16 and more are decoded
     if dense_min != "default":
         monkeypatch.setattr(paged, "DENSE_MIN_QUERY", 1 << 30 if dense_min == "codes only" else 1)
     check_backend("numba", method, params)

@@ -37,7 +37,7 @@ from kvq_numba import cpu_attend_octopus, cpu_attend_planes, cpu_octopus, cpu_pa
 from kvq_numba.plugin import KERNELS, supports
 
 #: fewest query tokens of a request that take the decode-then-flash path (module docstring)
-DENSE_MIN_QUERY = 8
+DENSE_MIN_QUERY = 16
 
 
 def flat_pages(pages: torch.Tensor) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -75,10 +75,10 @@ class PagedNumba:
         return (layout.block_size, *strides, s.start, s.width, layout.group if s.stripe == GROUP else 1)
 
     # -- per method: the codes' domain and the kernel ------------------------------------------
-    def _transforms(self, layer: int, kv_heads: int) -> tuple[Any, Any, Any]:
+    def _transforms(self, layer: int, kv_heads: int, head_offset: int) -> tuple[Any, Any, Any]:
         """(to the keys' domain, to the values' domain, back from the values' domain), on [1, h, t, d]."""
         if self.spec.method == "octopus":
-            signs = np.ascontiguousarray(constants(self.spec, kv_heads, layer)["signs"])
+            signs = np.ascontiguousarray(constants(self.spec, kv_heads, layer, head_offset)["signs"])
             inv = self.impl.inv_sqrt_d
 
             def rot(x: np.ndarray) -> np.ndarray:
@@ -93,8 +93,8 @@ class PagedNumba:
         rot = self.impl._rotate
         return rot, rot, rot
 
-    def _jobs(self, layout: PageLayout, layer: int, flat: np.ndarray, strides: tuple[int, int, int],
-              scale: np.float32) -> Any:
+    def _jobs(self, layout: PageLayout, layer: int, head_offset: int, flat: np.ndarray,
+              strides: tuple[int, int, int], scale: np.float32) -> Any:
         """``(jobs_fn, align)`` of the method's CODES kernel over these pages."""
         if self.spec.method == "octopus":
             fp16 = self.spec.values == "fp16"
@@ -106,7 +106,7 @@ class PagedNumba:
             else:
                 desc[cpu_attend_octopus.F_VC] = self._desc(layout, "values", "codes", strides)
                 desc[cpu_attend_octopus.F_VN] = self._desc(layout, "values", "norm", strides)
-            bits, table = self.impl._books(constants(self.spec, layout.kv_heads, layer))
+            bits, table = self.impl._books(constants(self.spec, layout.kv_heads, layer, head_offset))
 
             def octopus(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
                 cpu_attend_octopus.octopus_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, desc,
@@ -131,10 +131,11 @@ class PagedNumba:
     def attend_paged(self, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                      code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                      tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
-                     tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tail_lens: torch.Tensor | None, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if q.device.type != "cpu" or not self.fast:
             return paged_kernel(PAGED_FALLBACK, self.spec_json).attend_paged(
-                layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v, tail_slot, tail_lens)
+                layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v, tail_slot, tail_lens,
+                head_offset)
         n, hq, d = q.shape
         if n == 0:
             return q.new_zeros((0, hq, d), dtype=torch.float32), q.new_zeros((0, hq), dtype=torch.float32)
@@ -147,19 +148,19 @@ class PagedNumba:
             out = torch.empty((n, hq, d), dtype=torch.float32)
             lse = torch.empty((n, hq), dtype=torch.float32)
         else:
-            out, lse = self._from_codes(layer, q, pages, block_table, qsl, np.where(dense, 0, q_lens), code, tail_n,
-                                        scale, tail_k, tail_v, tail_slot)
+            out, lse = self._from_codes(layer, head_offset, q, pages, block_table, qsl, np.where(dense, 0, q_lens),
+                                        code, tail_n, scale, tail_k, tail_v, tail_slot)
         for r in np.flatnonzero(dense):
             tail = None
             if tail_n[r]:
                 slot = int(tail_slot[r])
                 tail = (tail_k[slot, :, :tail_n[r]], tail_v[slot, :, :tail_n[r]])
-            k, v = self._decoded(layer, pages, block_table[r], int(code[r]), tail)
+            k, v = self._decoded(layer, head_offset, pages, block_table[r], int(code[r]), tail)
             o, s = dense_causal(q[qsl[r]:qsl[r + 1]], k, v, scale)
             out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = o, s
         return out, lse
 
-    def _decoded(self, layer: int, pages: torch.Tensor, block_ids: torch.Tensor, coded: int,
+    def _decoded(self, layer: int, head_offset: int, pages: torch.Tensor, block_ids: torch.Tensor, coded: int,
                  tail: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 K, V ``[kv_heads, coded + tail, d]`` of one request: its coded rows gathered through
         its block-table row and decoded by the numba kernels, then its exact tail."""
@@ -168,7 +169,7 @@ class PagedNumba:
         if coded:
             layout = self._layout(pages.shape[2], hk)
             kf, vf = layout.unpack(gather_rows(pages, block_ids, coded))
-            ctx = KernelContext(self.spec, layer, (1, hk, coded, d), constants(self.spec, hk, layer))
+            ctx = KernelContext(self.spec, layer, (1, hk, coded, d), constants(self.spec, hk, layer, head_offset))
             parts_k.append(torch.from_numpy(np.asarray(self.impl.decode_keys(_numpy(kf), ctx)))[0])
             parts_v.append(torch.from_numpy(np.asarray(self.impl.decode_values(_numpy(vf), ctx)))[0])
         if tail is not None:
@@ -176,7 +177,7 @@ class PagedNumba:
             parts_v.append(tail[1].to(torch.float32))
         return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
-    def _from_codes(self, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
+    def _from_codes(self, layer: int, head_offset: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                     qsl: np.ndarray, q_lens: np.ndarray, code: np.ndarray, tail_n: np.ndarray, scale: float,
                     tail_k: torch.Tensor | None, tail_v: torch.Tensor | None,
                     tail_slot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +187,7 @@ class PagedNumba:
         hk, bs = pages.shape[1], pages.shape[2]
         g = hq // hk
         layout = self._layout(bs, hk)
-        to_k, to_v, from_v = self._transforms(layer, hk)
+        to_k, to_v, from_v = self._transforms(layer, hk, head_offset)
         qn = q.detach().to(torch.float32).contiguous().numpy()
         qh = np.ascontiguousarray(qn.reshape(n, hk, g, d).transpose(1, 0, 2, 3)).reshape(1, hk, n * g, d)
         qr = to_k(qh)[0]
@@ -197,7 +198,7 @@ class PagedNumba:
             tv = tail_v.index_select(0, slot).to(torch.float32).contiguous().numpy()
             tails = (np.ascontiguousarray(to_k(tk)), np.ascontiguousarray(to_v(tv)))
         flat, strides = flat_pages(pages)
-        jobs_fn, align = self._jobs(layout, layer, flat, strides, np.float32(scale))
+        jobs_fn, align = self._jobs(layout, layer, head_offset, flat, strides, np.float32(scale))
         table = block_table.numpy().astype(np.int64)
         out, lse = cpu_paged.run(qr, qsl[:-1] * g, q_lens, code, tail_n, code + tail_n - np.diff(qsl), g, table,
                                  jobs_fn, align, tails, np.float32(scale))
