@@ -63,6 +63,7 @@ class PagedNumba:
         else:
             self.fast = ok and cpu_attend_planes.fits(spec.bits, spec.head_dim, self.impl.value_group)
         self._layouts: dict[tuple[int, int], PageLayout] = {}
+        self._setups: dict[tuple[int, ...], tuple[Any, ...]] = {}
 
     def _layout(self, block_size: int, kv_heads: int) -> PageLayout:
         key = (block_size, kv_heads)
@@ -93,9 +94,22 @@ class PagedNumba:
         rot = self.impl._rotate
         return rot, rot, rot
 
-    def _jobs(self, layout: PageLayout, layer: int, head_offset: int, flat: np.ndarray,
-              strides: tuple[int, int, int], scale: np.float32) -> Any:
-        """``(jobs_fn, align)`` of the method's CODES kernel over these pages."""
+    def _setup(self, layer: int, head_offset: int, block_size: int, kv_heads: int,
+               strides: tuple[int, int, int]) -> tuple[Any, ...]:
+        """``(layout, (to_k, to_v, from_v), make_jobs, align)`` of a layer's pages, built once per
+        (layer, head offset, page shape and strides): a decode step's Python is the minimum."""
+        key = (layer, head_offset, block_size, kv_heads, *strides)
+        hit = self._setups.get(key)
+        if hit is None:
+            layout = self._layout(block_size, kv_heads)
+            hit = (layout, self._transforms(layer, kv_heads, head_offset),
+                   *self._jobs(layout, layer, head_offset, strides))
+            self._setups[key] = hit
+        return hit
+
+    def _jobs(self, layout: PageLayout, layer: int, head_offset: int, strides: tuple[int, int, int]) -> Any:
+        """``(make_jobs, align)``: ``make_jobs(flat, scale)`` is the method's CODES kernel over pages whose
+        bytes are ``flat``."""
         if self.spec.method == "octopus":
             fp16 = self.spec.values == "fp16"
             desc = np.zeros((5, cpu_paged.DESC), np.int64)
@@ -108,9 +122,11 @@ class PagedNumba:
                 desc[cpu_attend_octopus.F_VN] = self._desc(layout, "values", "norm", strides)
             bits, table = self.impl._books(constants(self.spec, layout.kv_heads, layer, head_offset))
 
-            def octopus(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
-                cpu_attend_octopus.octopus_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, desc,
-                                                fp16, bits, table, scale, pm, pl, pacc)
+            def octopus(flat, scale):  # noqa: ANN001, ANN202
+                def jobs_fn(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
+                    cpu_attend_octopus.octopus_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, desc,
+                                                    fp16, bits, table, scale, pm, pl, pacc)
+                return jobs_fn
             return octopus, cpu_attend_octopus.BLOCK
         impl = self.impl
         desc = np.zeros((7, cpu_paged.DESC), np.int64)
@@ -121,10 +137,12 @@ class PagedNumba:
         if impl.token_scaling:
             desc[cpu_attend_planes.F_KN] = self._desc(layout, "keys", "norm", strides)
 
-        def planes(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
-            cpu_attend_planes.planes_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, flat, flat, desc,
-                                          impl.token_scaling, impl.bits, impl.key_group, impl.value_group, scale,
-                                          pm, pl, pacc)
+        def planes(flat, scale):  # noqa: ANN001, ANN202
+            def jobs_fn(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
+                cpu_attend_planes.planes_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, flat, flat,
+                                              desc, impl.token_scaling, impl.bits, impl.key_group, impl.value_group,
+                                              scale, pm, pl, pacc)
+            return jobs_fn
         return planes, int(cpu_attend_planes.block_tokens(impl.key_group))
 
     # -- the op ---------------------------------------------------------------------------------
@@ -186,8 +204,8 @@ class PagedNumba:
         n, hq, d = q.shape
         hk, bs = pages.shape[1], pages.shape[2]
         g = hq // hk
-        layout = self._layout(bs, hk)
-        to_k, to_v, from_v = self._transforms(layer, hk, head_offset)
+        flat, strides = flat_pages(pages)
+        _, (to_k, to_v, from_v), make_jobs, align = self._setup(layer, head_offset, bs, hk, strides)
         qn = q.detach().to(torch.float32).contiguous().numpy()
         qh = np.ascontiguousarray(qn.reshape(n, hk, g, d).transpose(1, 0, 2, 3)).reshape(1, hk, n * g, d)
         qr = to_k(qh)[0]
@@ -197,8 +215,7 @@ class PagedNumba:
             tk = tail_k.index_select(0, slot).to(torch.float32).contiguous().numpy()
             tv = tail_v.index_select(0, slot).to(torch.float32).contiguous().numpy()
             tails = (np.ascontiguousarray(to_k(tk)), np.ascontiguousarray(to_v(tv)))
-        flat, strides = flat_pages(pages)
-        jobs_fn, align = self._jobs(layout, layer, head_offset, flat, strides, np.float32(scale))
+        jobs_fn = make_jobs(flat, np.float32(scale))
         table = block_table.numpy().astype(np.int64)
         out, lse = cpu_paged.run(qr, qsl[:-1] * g, q_lens, code, tail_n, code + tail_n - np.diff(qsl), g, table,
                                  jobs_fn, align, tails, np.float32(scale))
