@@ -45,6 +45,11 @@ call per layer and step for the whole batch::
 - returns ``out`` float32 ``[n_tokens, q_heads, d]`` and ``lse`` float32 ``[n_tokens, q_heads]``
   (log-sum-exp of the scaled logits, to merge with attention over other tokens).
 
+A backend may decode a request's context to K/V where that is measured faster, attending the same
+values: numba on CPU does so for requests of at least ``kvq_numba.paged.DENSE_MIN_QUERY`` (16)
+query tokens (``bench/results/paged_prefill.md``: even at 16, 2-4x faster at 512 query tokens,
+slower below 8), and scores from the codes otherwise.
+
 No kernel reads a device tensor's value on the host (no synchronisation); what the arguments
 promise (lengths within the table, positions >= 0) is the caller's contract, checked here by the
 reference only. :func:`attend_paged_reference` is the readable truth every backend is tested

@@ -15,10 +15,10 @@ rows gathered through the block table, the codec's numba decode, the exact tail 
 causal attention over them on torch's CPU flash kernel, which returns the log-sum-exp too
 (:func:`dense_causal`). The op's meaning is unchanged: decoded K/V are what the codes score
 against. Measured crossover (``bench/paged_prefill.py``, ``bench/results/paged_prefill.md``;
-SmolLM2 shape, 1 thread): at 512 context tokens the codes kernel costs ~1.5 ms at 16 query
-tokens and ~27-35 ms at 512, the decode + flash path ~0.7 ms and ~9-13 ms; the codes kernel wins
-only below a few query tokens (decoding 512 tokens costs ~0.2-0.8 ms, a decode-step query over
-them ~0.1 ms). Decode steps (``q_len = 1``) and short speculative verifications stay on the codes.
+SmolLM2's shape, 1 thread): the two paths are about even at 16 query tokens, decoding wins from 32
+on (2-4x at 512 query tokens over 512-2048 context tokens) and loses below 8 (decoding a context
+costs more than one pass of a few queries over its codes). Decode steps (``q_len = 1``) and
+n-gram verification of a few drafts stay on the codes.
 """
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ import numpy as np
 import torch
 
 from kvq_core.constants import constants
-from kvq_core.kernels import KernelContext
 from kvq_core.dispatch.table import PAGED_FALLBACK, paged_kernel
-from kvq_core.kernels import resolve
+from kvq_core.kernels import KernelContext, resolve
 from kvq_core.paged import GROUP, PageLayout, gather_rows
 from kvq_core.spec import MethodSpec
 from kvq_numba import cpu_attend_octopus, cpu_attend_planes, cpu_octopus, cpu_paged
