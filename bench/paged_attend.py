@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import kvq_core
 import kvq_core.dispatch.ops  # noqa: F401
+from kvq_core.dispatch.table import spec_from_json
 from kvq_core.dispatch.torch_kernels import field_names
 from kvq_core.paged import PageLayout
 
@@ -46,7 +47,7 @@ def coded_pages(spec_json: str, k: torch.Tensor, v: torch.Tensor,
                 table: torch.Tensor) -> torch.Tensor:
     """Token-major ``uint8`` pages (vLLM's physical order, seen ``[blocks, kv_heads, PAGE, row_bytes]``)
     holding ``k, v [batch, kv_heads, ctx, d]`` encoded, request ``r``'s block ``j`` at ``table[r, j]``."""
-    spec = kvq_core.registry.spec_from_dict(__import__("json").loads(spec_json))
+    spec = spec_from_json(spec_json)
     batch, _, ctx, _ = k.shape
     blocks = table.shape[1]
     pad = blocks * PAGE - ctx
