@@ -4,16 +4,20 @@ The schemas carry the backend name, so several torch-tensor backends (torch, tor
 triton, numba) coexist on one device; the bodies (:mod:`kvq_core.dispatch.run`) look the kernel
 up in :mod:`kvq_core.dispatch.table`::
 
-    kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor[]
-    kvq::decode(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape) -> Tensor
+    kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x, int head_offset=0) -> Tensor[]
+    kvq::decode(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape,
+                int head_offset=0) -> Tensor
     kvq::attend(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields,
-                SymInt[] shape, float scale) -> (Tensor, Tensor)
+                SymInt[] shape, float scale, int head_offset=0) -> (Tensor, Tensor)
     kvq::materialize(Tensor x) -> Tensor       (a layout barrier used inside compiled kernels)
     kvq::attend_paged(str backend, str spec_json, int layer, Tensor q, Tensor pages, Tensor block_table,
                       Tensor code_lens, Tensor query_start_loc, float scale, Tensor? tail_k, Tensor? tail_v,
-                      Tensor? tail_slot, Tensor? tail_lens) -> (Tensor, Tensor)
+                      Tensor? tail_slot, Tensor? tail_lens, int head_offset=0) -> (Tensor, Tensor)
                                                (paged attention, one call per layer and step: kvq_core.paged)
 
+- ``head_offset`` is the global index of the block's first kv head: a tensor-parallel rank holding
+  heads ``[head_offset, head_offset + kv_heads)`` uses those heads' per-head constants
+  (:mod:`kvq_core.constants`), so its codes equal a single-rank engine's for the same heads;
 - ``spec_json`` is ``MethodSpec.to_json()``; ``kind`` is ``"keys"`` or ``"values"``; ``x`` is
   ``[batch, kv_heads, tokens, head_dim]`` in any float dtype; ``shape`` is that block shape.
 - ``encode`` returns the packed fields in layout order with the layout's dtypes and shapes;
@@ -34,10 +38,11 @@ from kvq_core.dispatch.table import spec_from_json
 
 NAMESPACE = "kvq"
 
-ENCODE_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor[]"
-DECODE_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape) -> Tensor"
+ENCODE_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor x, int head_offset=0) -> Tensor[]"
+DECODE_SCHEMA = ("(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape, "
+                 "int head_offset=0) -> Tensor")
 ATTEND_SCHEMA = ("(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields, "
-                 "SymInt[] shape, float scale) -> (Tensor, Tensor)")
+                 "SymInt[] shape, float scale, int head_offset=0) -> (Tensor, Tensor)")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -57,37 +62,42 @@ def _check_fields(op: str, spec_json: str, kind: str, fields: Sequence[torch.Ten
 
 
 @torch.library.custom_op(f"{NAMESPACE}::encode", mutates_args=(), schema=ENCODE_SCHEMA)
-def encode(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
-    return run.encode(backend, spec_json, layer, kind, x)
+def encode(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor,
+           head_offset: int = 0) -> list[torch.Tensor]:
+    return run.encode(backend, spec_json, layer, kind, x, head_offset)
 
 
 @encode.register_fake
-def _(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
+def _(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor, head_offset: int = 0) -> list[torch.Tensor]:
     torch._check(x.dim() == 4, lambda: f"kvq::encode: x must be [batch, kv_heads, tokens, head_dim], got {x.dim()}-D")
     torch._check(x.dtype in FLOAT_DTYPES, lambda: f"kvq::encode: x is {x.dtype}; expected a floating dtype")
     return [x.new_empty(f.shape, dtype=getattr(torch, f.dtype)) for f in _layout(spec_json, kind, x.shape).values()]
 
 
 @torch.library.custom_op(f"{NAMESPACE}::decode", mutates_args=(), schema=DECODE_SCHEMA)
-def decode(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
-    return run.decode(backend, spec_json, layer, kind, fields, shape)
+def decode(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int],
+           head_offset: int = 0) -> torch.Tensor:
+    return run.decode(backend, spec_json, layer, kind, fields, shape, head_offset)
 
 
 @decode.register_fake
-def _(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
+def _(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int],
+      head_offset: int = 0) -> torch.Tensor:
     _check_fields("decode", spec_json, kind, fields, shape)
     return fields[0].new_empty(tuple(shape), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attend", mutates_args=(), schema=ATTEND_SCHEMA)
 def attend(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: list[torch.Tensor],
-           vfields: list[torch.Tensor], shape: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return run.attend(backend, spec_json, layer, q, kfields, vfields, shape, scale)
+           vfields: list[torch.Tensor], shape: list[int], scale: float,
+           head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return run.attend(backend, spec_json, layer, q, kfields, vfields, shape, scale, head_offset)
 
 
 @attend.register_fake
 def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: list[torch.Tensor],
-      vfields: list[torch.Tensor], shape: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+      vfields: list[torch.Tensor], shape: list[int], scale: float,
+      head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     torch._check(q.dim() == 4, lambda: f"kvq::attend: q must be [batch, q_heads, q_len, head_dim], got {q.dim()}-D")
     _check_fields("attend", spec_json, "keys", kfields, shape)
     _check_fields("attend", spec_json, "values", vfields, shape)
@@ -111,23 +121,23 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 ATTEND_PAGED_SCHEMA = ("(str backend, str spec_json, int layer, Tensor q, Tensor pages, Tensor block_table, "
                        "Tensor code_lens, Tensor query_start_loc, float scale, Tensor? tail_k, Tensor? tail_v, "
-                       "Tensor? tail_slot, Tensor? tail_lens) -> (Tensor, Tensor)")
+                       "Tensor? tail_slot, Tensor? tail_lens, int head_offset=0) -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attend_paged", mutates_args=(), schema=ATTEND_PAGED_SCHEMA)
 def attend_paged(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Tensor,
                  block_table: torch.Tensor, code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                  tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
-                 tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 tail_lens: torch.Tensor | None, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return run.attend_paged(backend, spec_json, layer, q, pages, block_table, code_lens, query_start_loc, scale,
-                            tail_k, tail_v, tail_slot, tail_lens)
+                            tail_k, tail_v, tail_slot, tail_lens, head_offset)
 
 
 @attend_paged.register_fake
 def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
       code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, tail_k: torch.Tensor | None,
       tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
-      tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+      tail_lens: torch.Tensor | None, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     op = "kvq::attend_paged"
     torch._check(q.dim() == 3, lambda: f"{op}: q must be [n_tokens, q_heads, head_dim], got {q.dim()}-D")
     torch._check(q.dtype in FLOAT_DTYPES, lambda: f"{op}: q is {q.dtype}; expected a floating dtype")

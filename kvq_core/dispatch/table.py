@@ -58,7 +58,7 @@ def kernel(backend: str, spec_json: str) -> Any:
 def register_paged_kernel(backend: str, method: str, factory: "str | Callable[[Any], Any]") -> None:
     """Serve ``kvq::attend_paged`` for ``method`` on ``backend`` with ``factory(spec)``, an object with
     ``attend_paged(layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v,
-    tail_slot, tail_lens) -> (out, lse)`` on torch tensors (:mod:`kvq_core.paged`)."""
+    tail_slot, tail_lens, head_offset) -> (out, lse)`` on torch tensors (:mod:`kvq_core.paged`)."""
     with _lock:
         _paged[(backend, method)] = factory
         paged_kernel.cache_clear()

@@ -32,9 +32,10 @@ from kvq_core.dispatch.torch_kernels import field_names
 from kvq_core.errors import SpecError
 from kvq_core.paged import PageLayout
 from kvq_vllm import numba_encode
-from kvq_vllm.config import CodecConfig, active_codec
+from kvq_vllm.config import CodecConfig, active_codec, tp_head_offset
 from kvq_vllm.plan import GroupPlan, StagingPool, group_blocks, plan_step, stage_tokens
 from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (
@@ -180,6 +181,9 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         vllm_config = get_current_vllm_config()
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
+        # per-head constants by global kv head: a TP rank codes its heads as the TP=1 engine does
+        self.head_offset = tp_head_offset(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                                          vllm_config.model_config.get_total_num_kv_heads())
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.codec: CodecConfig = active_codec(vllm_config, required=True)
         self.spec = self.codec.spec(head_size)
@@ -209,7 +213,7 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
 
     def _encode(self, kind: str, block: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         """Fields of ``block [b, kv_heads, t, d]``."""
-        fields = torch.ops.kvq.encode(self.encode_backend, self.spec_json, layer, kind, block)
+        fields = torch.ops.kvq.encode(self.encode_backend, self.spec_json, layer, kind, block, self.head_offset)
         return dict(zip(self.names[kind], fields))
 
     def do_kv_cache_update(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
@@ -256,6 +260,6 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         tails = (self.tail_k, self.tail_v, plan.tail_slot, plan.tail_lens) if plan is not None else (None,) * 4
         out, _ = torch.ops.kvq.attend_paged(self.backend, self.spec_json, self._layer(layer), query[:n],
                                             kv_cache, meta.block_table, meta.code_lens, meta.query_start_loc,
-                                            self.scale, *tails)
+                                            self.scale, *tails, self.head_offset)
         output[:n] = out.to(output.dtype)
         return output

@@ -30,7 +30,8 @@ class NumbaEncode(TorchMethod):
     def _run(self, encode, x: torch.Tensor, ctx: TorchContext) -> Fields:  # noqa: ANN001
         arr = x.detach().to(torch.float32).numpy()
         shape = tuple(int(s) for s in x.shape)
-        fields = encode(arr, KernelContext(self.spec, ctx.layer, shape, constants(self.spec, shape[1], ctx.layer)))
+        consts = constants(self.spec, shape[1], ctx.layer, ctx.head_offset)
+        fields = encode(arr, KernelContext(self.spec, ctx.layer, shape, consts))
         return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in fields.items()}
 
     def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
