@@ -13,6 +13,8 @@ up in :mod:`kvq_core.dispatch.table`::
                       Tensor code_lens, Tensor query_start_loc, float scale, Tensor? tail_k, Tensor? tail_v,
                       Tensor? tail_slot, Tensor? tail_lens) -> (Tensor, Tensor)
                                                (paged attention, one call per layer and step: kvq_core.paged)
+    kvq::write_paged(str backend, str spec_json, int layer, Tensor key, Tensor value, Tensor(a!) pages,
+                     Tensor slot_mapping) -> ()    (the step's rows into the pages, in place: kvq_core.paged)
 
 - ``spec_json`` is ``MethodSpec.to_json()``; ``kind`` is ``"keys"`` or ``"values"``; ``x`` is
   ``[batch, kv_heads, tokens, head_dim]`` in any float dtype; ``shape`` is that block shape.
@@ -145,7 +147,37 @@ def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Te
     return q.new_empty((n, hq, d), dtype=torch.float32), q.new_empty((n, hq), dtype=torch.float32)
 
 
-OPS = {"encode": encode, "decode": decode, "attend": attend, "materialize": materialize, "attend_paged": attend_paged}
+WRITE_PAGED_SCHEMA = ("(str backend, str spec_json, int layer, Tensor key, Tensor value, Tensor(a!) pages, "
+                      "Tensor slot_mapping) -> ()")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::write_paged", mutates_args=("pages",), schema=WRITE_PAGED_SCHEMA)
+def write_paged(backend: str, spec_json: str, layer: int, key: torch.Tensor, value: torch.Tensor,
+                pages: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    run.write_paged(backend, spec_json, layer, key, value, pages, slot_mapping)
+
+
+@write_paged.register_fake
+def _(backend: str, spec_json: str, layer: int, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+      slot_mapping: torch.Tensor) -> None:
+    op = "kvq::write_paged"
+    torch._check(key.dim() == 3 and key.shape == value.shape,
+                 lambda: f"{op}: key and value must be [n_tokens, kv_heads, head_dim] alike, got "
+                         f"{list(key.shape)} and {list(value.shape)}")
+    torch._check(key.dtype in FLOAT_DTYPES, lambda: f"{op}: key is {key.dtype}; expected a floating dtype")
+    torch._check(pages.dim() == 4 and pages.dtype == torch.uint8,
+                 lambda: f"{op}: pages must be uint8 [num_blocks, kv_heads, block_size, row_bytes], got "
+                         f"{pages.dtype}{list(pages.shape)}")
+    torch._check(key.shape[1] == pages.shape[1],
+                 lambda: f"{op}: {key.shape[1]} kv heads in key; the pages have {pages.shape[1]}")
+    torch._check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
+                 lambda: f"{op}: slot_mapping must be [n_tokens] = [{key.shape[0]}], got {list(slot_mapping.shape)}")
+    torch._check(slot_mapping.dtype in (torch.int32, torch.int64),
+                 lambda: f"{op}: slot_mapping is {slot_mapping.dtype}; expected int32 or int64")
+
+
+OPS = {"encode": encode, "decode": decode, "attend": attend, "materialize": materialize, "attend_paged": attend_paged,
+       "write_paged": write_paged}
 
 
 # --------------------------------------------------------------------------------------------
