@@ -19,25 +19,25 @@ TOKEN, GROUP, HEADS = 0, 1, 2
 
 
 @njit(cache=True)
-def scatter_rows(fields, desc, tokens_per_block, group, heads, slots, pages, block_tokens, strides) -> None:
-    """Write token ``i``'s row of every kv head at ``slots[i]`` (skipped when < 0) into the flat
-    byte view ``pages`` (block, head, row ``strides``; ``block_tokens`` rows per page)."""
-    t_blk = tokens_per_block
+def scatter_rows(fields, desc, tokens_per_block, group, slots, pages) -> None:
+    """Write token ``i``'s row of every kv head at ``slots[i]`` (skipped when < 0) into ``pages``
+    uint8 ``[num_blocks, kv_heads, block_size, row_bytes]`` (any strides)."""
+    t_blk, heads, block_tokens = tokens_per_block, pages.shape[1], pages.shape[2]
     for i in range(slots.shape[0]):
         s = slots[i]
         if s < 0:
             continue
         b, t = i // t_blk, i % t_blk
-        base = (s // block_tokens) * strides[0] + (s % block_tokens) * strides[2]
+        page, at = s // block_tokens, s % block_tokens
         for f in range(len(fields)):
             src = fields[f]
             kind, start, width, nbytes = desc[f, STRIPE], desc[f, START], desc[f, WIDTH], desc[f, NBYTES]
             for h in range(heads):
-                at = base + h * strides[1] + start
+                out = pages[page, h, at, start:start + width]
                 if kind == TOKEN:
                     row = src[(b * heads + h) * t_blk + t]
                     for c in range(width):
-                        pages[at + c] = row[c]
+                        out[c] = row[c]
                     continue
                 if kind == GROUP:
                     row = src[(b * heads + h) * (t_blk // group) + t // group]
@@ -46,4 +46,4 @@ def scatter_rows(fields, desc, tokens_per_block, group, heads, slots, pages, blo
                     row = src[b * t_blk + t]
                     lo = h * width
                 for c in range(width):
-                    pages[at + c] = row[lo + c] if lo + c < nbytes else 0
+                    out[c] = row[lo + c] if lo + c < nbytes else 0

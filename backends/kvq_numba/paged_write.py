@@ -1,9 +1,9 @@
 """``kvq::write_paged`` on the Numba CPU kernels (OCTOPUS, OScaR, KIVI): the step's K and V encoded
 by the backend's own encoders (:mod:`kvq_numba.octopus`, :mod:`kvq_numba.intcodes`) and their
 fields written byte for byte into the page rows at the slots
-(:func:`kvq_numba.cpu_paged_write.scatter_rows`): no field tensors, no ``PageLayout.pack``, no
-torch indexing. Specs numba does not run, CUDA tensors and pages whose rows are not contiguous take
-the torch writer (``kvq_torch.paged_write``, the reference, through the table).
+(:func:`kvq_numba.cpu_paged_write.scatter_rows`, pages of any strides): no field tensors, no
+``PageLayout.pack``, no torch indexing. Specs numba does not run and CUDA tensors take the torch
+writer (``kvq_torch.paged_write``, the reference, through the table).
 """
 from __future__ import annotations
 
@@ -22,15 +22,6 @@ from kvq_numba.arrays import as_float32
 from kvq_numba.plugin import KERNELS, supports
 
 _STRIPES = {GROUP: cpu_paged_write.GROUP, HEADS: cpu_paged_write.HEADS}
-
-
-def writable_bytes(pages: torch.Tensor) -> np.ndarray | None:
-    """The bytes ``pages`` spans as one flat writable NumPy view (None when its rows are not
-    contiguous or a stride is negative: no view of it is one array)."""
-    if pages.stride(3) != 1 or min(pages.stride()) < 0:
-        return None
-    span = 1 + sum((n - 1) * s for n, s in zip(pages.shape, pages.stride()))
-    return np.lib.stride_tricks.as_strided(pages.numpy(), shape=(span,), strides=(1,))
 
 
 class PagedWriteNumba:
@@ -54,8 +45,7 @@ class PagedWriteNumba:
 
     def write_paged(self, layer: int, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-        flat = writable_bytes(pages) if key.device.type == "cpu" and self.fast else None
-        if flat is None:
+        if key.device.type != "cpu" or not self.fast:
             paged_writer(PAGED_FALLBACK, self.spec_json).write_paged(layer, key, value, pages, slot_mapping)
             return
         n, heads, d = key.shape
@@ -68,10 +58,8 @@ class PagedWriteNumba:
         kf, vf = self.impl.encode_keys(k, ctx), self.impl.encode_values(v, ctx)
         fields = tuple(_source_rows((kf if s.kind == "keys" else vf)[s.name], s.stripe == HEADS)
                        for s in layout.slots)
-        strides = np.array(pages.stride()[:3], np.int64)
-        cpu_paged_write.scatter_rows(fields, desc, k.shape[2], layout.group, heads,
-                                     slot_mapping.numpy().astype(np.int64, copy=False), flat, layout.block_size,
-                                     strides)
+        cpu_paged_write.scatter_rows(fields, desc, k.shape[2], layout.group,
+                                     slot_mapping.numpy().astype(np.int64, copy=False), pages.numpy())
 
 
 def _source_rows(a: Any, shared: bool) -> np.ndarray:

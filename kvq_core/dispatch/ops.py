@@ -149,15 +149,23 @@ def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Te
 
 WRITE_PAGED_SCHEMA = ("(str backend, str spec_json, int layer, Tensor key, Tensor value, Tensor(a!) pages, "
                       "Tensor slot_mapping) -> ()")
+#: ``kvq::write_paged`` is defined on a plain library fragment, not by ``torch.library.custom_op``: it runs
+#: once per layer and step, and custom_op's Python wrapper (argument defaults, autograd, a dynamo guard)
+#: cost ~50 us a call, as much as the write itself (bench/paged_write.py)
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_LIB.define("write_paged" + WRITE_PAGED_SCHEMA)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::write_paged", mutates_args=("pages",), schema=WRITE_PAGED_SCHEMA)
-def write_paged(backend: str, spec_json: str, layer: int, key: torch.Tensor, value: torch.Tensor,
-                pages: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _write_paged(backend: str, spec_json: str, layer: int, key: torch.Tensor, value: torch.Tensor,
+                 pages: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     run.write_paged(backend, spec_json, layer, key, value, pages, slot_mapping)
 
 
-@write_paged.register_fake
+_LIB.impl("write_paged", _write_paged, "CompositeExplicitAutograd")
+write_paged = torch.ops.kvq.write_paged
+
+
+@torch.library.register_fake(f"{NAMESPACE}::write_paged")
 def _(backend: str, spec_json: str, layer: int, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
       slot_mapping: torch.Tensor) -> None:
     op = "kvq::write_paged"
