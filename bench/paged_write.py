@@ -1,7 +1,7 @@
 """The vLLM plugin's cache write per layer and step on the CPU: ``kvq::write_paged`` on numba (one
 call: the numba encoders, the row bytes written straight into the pages) against the write it
-replaces (``kvq::encode`` of K and V through the numba kernels as field tensors, ``PageLayout.pack``,
-an index scatter by the slots) and the torch backend's ``kvq::write_paged`` (the reference).
+replaces (``kvq::encode`` of K and V through the plugin's numba adapter as field tensors,
+``PageLayout.pack``, an index scatter by the slots) and the torch backend's ``kvq::write_paged`` (the reference).
 
     python bench/paged_write.py [--repeats 7] [--out bench/results/paged_write.md]
 
@@ -28,7 +28,8 @@ import kvq_core
 import kvq_core.dispatch.ops  # noqa: F401
 from kvq_core import registry
 from kvq_core.constants import constants
-from kvq_core.dispatch.torch_kernels import field_names
+from kvq_core.dispatch.table import register_kernel
+from kvq_core.dispatch.torch_kernels import TorchMethod, field_names
 from kvq_core.kernels import KernelContext
 from kvq_core.paged import PageLayout, step_blocks
 
@@ -36,23 +37,44 @@ HK, D, PAGE, BLOCKS, LAYER = 3, 64, 32, 256, 7
 CODECS = [("octopus", {"bits": 3}, (8, 512)), ("oscar", {"bits": 2}, (32, 512)), ("kivi", {"bits": 2}, (32, 512))]
 
 
-def before(spec, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor):  # noqa: ANN001
-    """The plugin's write before ``kvq::write_paged``: numba encode of K and V (as its adapter did:
-    tensors to NumPy, the constants, a KernelContext, fields back as tensors), pack, index scatter."""
-    layout = PageLayout(spec, PAGE, HK)
-    kernels = registry.kernel_factory("numba", spec.method)(spec)
-    names = {kind: field_names(spec, kind) for kind in ("keys", "values")}
+class _BeforeEncode(TorchMethod):
+    """The plugin's encode adapter before ``kvq::write_paged`` (``kvq_vllm/numba_encode.py``): a
+    ``kvq::encode`` table entry running the numba kernels on NumPy views, fields back as tensors."""
 
-    def encode(fn, kind: str, x: torch.Tensor) -> dict:  # noqa: ANN001
+    def __init__(self, spec) -> None:  # noqa: ANN001
+        super().__init__(spec)
+        self.kernels = registry.kernel_factory("numba", spec.method)(spec)
+
+    def _run(self, encode, x: torch.Tensor, ctx) -> dict:  # noqa: ANN001
         arr = x.detach().to(torch.float32).numpy()
         shape = tuple(int(s) for s in x.shape)
-        fields = fn(arr, KernelContext(spec, LAYER, shape, constants(spec, shape[1], LAYER)))
-        tensors = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in fields.items()}
-        return {n: tensors[n] for n in names[kind]}
+        fields = encode(arr, KernelContext(self.spec, ctx.layer, shape, constants(self.spec, shape[1], ctx.layer)))
+        return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in fields.items()}
+
+    def encode_keys(self, k: torch.Tensor, ctx) -> dict:  # noqa: ANN001
+        return self._run(self.kernels.encode_keys, k, ctx)
+
+    def encode_values(self, v: torch.Tensor, ctx) -> dict:  # noqa: ANN001
+        return self._run(self.kernels.encode_values, v, ctx)
+
+
+BEFORE = "numba-before"
+
+
+def before(spec, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor):  # noqa: ANN001
+    """The plugin's write before ``kvq::write_paged``: ``kvq::encode`` of K and V (the adapter above),
+    ``PageLayout.pack``, an index scatter (padding clamped into block 0)."""
+    layout = PageLayout(spec, PAGE, HK)
+    register_kernel(BEFORE, spec.method, _BeforeEncode)
+    names = {kind: field_names(spec, kind) for kind in ("keys", "values")}
+    spec_json = spec.to_json()
+
+    def encode(kind: str, x: torch.Tensor) -> dict:
+        return dict(zip(names[kind], torch.ops.kvq.encode(BEFORE, spec_json, LAYER, kind, x)))
 
     def run() -> None:
         k, v = step_blocks(key, layout.group), step_blocks(value, layout.group)
-        rows = layout.pack(encode(kernels.encode_keys, "keys", k), encode(kernels.encode_values, "values", v))
+        rows = layout.pack(encode("keys", k), encode("values", v))
         at = slots.to(torch.long).clamp(min=0)
         pages[at // PAGE, :, at % PAGE] = rows.permute(0, 2, 1, 3).reshape(-1, HK, layout.row_bytes)
     return run
