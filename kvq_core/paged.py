@@ -50,6 +50,21 @@ values: numba on CPU does so for requests of at least ``kvq_numba.paged.DENSE_MI
 query tokens (``bench/results/paged_prefill.md``: even at 16, 2-4x faster at 512 query tokens,
 slower below 8), and scores from the codes otherwise.
 
+**Paged write** (``torch.ops.kvq.write_paged``), one call per layer and step, in place::
+
+    kvq::write_paged(str backend, str spec_json, int layer, Tensor key, Tensor value, Tensor(a!) pages,
+                     Tensor slot_mapping, int head_offset=0) -> ()
+
+- ``key`` / ``value`` float ``[n_tokens, kv_heads, d]``, ``slot_mapping`` int ``[n_tokens]``: token ``i``'s
+  row goes to page ``slot // block_size``, row ``slot % block_size``; a slot ``< 0`` is padding and
+  writes nothing;
+- per-token codecs encode the ``n`` tokens as one block; token-group codecs (OScaR, KIVI) take whole
+  groups: tokens ``jG .. (j+1)G`` are group ``j``, encoded together, their slots one group of a page
+  (:func:`step_blocks`; the engine keeps an open group exact until it completes);
+- the rows are those of :meth:`PageLayout.pack` of ``kvq::encode``'s fields: the torch backend's
+  version (``kvq_torch.paged_write``) does exactly that and is the reference; numba's encodes with
+  its CPU kernels and writes the row bytes straight into the pages.
+
 No kernel reads a device tensor's value on the host (no synchronisation); what the arguments
 promise (lengths within the table, positions >= 0) is the caller's contract, checked here by the
 reference only. :func:`attend_paged_reference` is the readable truth every backend is tested
@@ -250,6 +265,17 @@ def gather_rows(pages: Any, block_ids: Any, tokens: int) -> Any:
     got = ops.take(pages, block_ids[:needed])  # [needed, h, bs, row]
     rows = ops.contiguous(ops.permute(got, (1, 0, 2, 3))).reshape(pages.shape[1], needed * block_size, pages.shape[3])
     return rows[None, :, :tokens]
+
+
+def step_blocks(x: Any, group: int) -> Any:
+    """A paged write's tokens ``x [n, kv_heads, d]`` (NumPy or torch) as the blocks they are encoded
+    in, ``[B, kv_heads, T, d]`` (a view): one block of ``n`` tokens for a per-token codec
+    (``group == 1``), one block per ``group`` tokens otherwise."""
+    n, h, d = x.shape
+    if n % group:
+        raise InputError(f"kvq::write_paged: {n} tokens is not a whole number of {group}-token key groups")
+    b = 1 if group == 1 else n // group
+    return _ops(x).permute(x.reshape(b, n // b, h, d), (0, 2, 1, 3))
 
 
 # -- the reference -------------------------------------------------------------------------------

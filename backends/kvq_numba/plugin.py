@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from kvq_core.dispatch.table import register_paged_kernel
+from kvq_core.dispatch.table import register_paged_kernel, register_paged_writer
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.registry import make_spec
@@ -93,12 +93,15 @@ def _available() -> tuple[bool, str | None]:
 
 #: ``kvq::attend_paged`` (CPU: the same kernels through the page table; other specs and CUDA: torch's)
 PAGED = "kvq_numba.paged:PagedNumba"
+#: ``kvq::write_paged`` (CPU: the numba encoders, rows written straight into the pages; else torch's)
+PAGED_WRITE = "kvq_numba.paged_write:PagedWriteNumba"
 
 
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
     for method in PAGED_METHODS:
         register_paged_kernel(NAME, method, PAGED)
+        register_paged_writer(NAME, method, PAGED_WRITE)
     register(BackendInfo(NAME, KERNELS, NumbaArrays(), _available, supports=supports,
                          summary="Numba: @njit CPU kernels; numba.cuda kernels for CUDA input"))
 

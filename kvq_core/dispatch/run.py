@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvq_core.dispatch.table import kernel, paged_kernel, spec_from_json
+from kvq_core.dispatch.table import kernel, paged_kernel, paged_writer, spec_from_json
 from kvq_core.dispatch.torch_kernels import context, field_names
 
 
@@ -89,3 +89,8 @@ def attend_paged(backend: str, spec_json: str, layer: int, q: torch.Tensor, page
               if t is not None]
     out = fresh(out, inputs)
     return out, fresh(lse, [*inputs, out])
+
+
+def write_paged(backend: str, spec_json: str, layer: int, key: torch.Tensor, value: torch.Tensor,
+                pages: torch.Tensor, slot_mapping: torch.Tensor, head_offset: int = 0) -> None:
+    paged_writer(backend, spec_json).write_paged(layer, key, value, pages, slot_mapping, head_offset)

@@ -33,22 +33,15 @@ class CodecConfig:
         return registry.make_spec(self.method, head_dim=head_dim, **dict(self.params))
 
     def attend_backend(self, device: Any) -> str:
-        """The kvq backend of ``kvq::attend_paged`` on ``device`` ("auto": numba on CPU, triton on CUDA,
-        when installed and working; else torch, the reference)."""
+        """The kvq backend of ``kvq::attend_paged`` and ``kvq::write_paged`` on ``device`` ("auto": numba
+        on CPU, triton on CUDA, when installed and working; else torch, the reference; a backend
+        without its own kernel for the method runs torch's)."""
         if self.backend != "auto":
             return self.backend
         preferred = {"cpu": "numba", "cuda": "triton"}.get(str(torch_device_type(device)))
         if preferred and registry.backend_status(preferred)[0]:
             return preferred
         return "torch"
-
-    def encode_backend(self, device: Any) -> str:
-        """The kvq backend of ``kvq::encode``: the attend backend when it has ``kvq::`` op entries
-        for the method, else torch."""
-        from kvq_core.dispatch.table import methods
-
-        backend = self.attend_backend(device)
-        return backend if self.method in methods(backend) else "torch"
 
     def describe(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params)
