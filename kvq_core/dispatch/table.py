@@ -65,15 +65,20 @@ def register_paged_kernel(backend: str, method: str, factory: "str | Callable[[A
         paged_kernel.cache_clear()
 
 
+def _paged_entry(table: dict, op: str, backend: str, spec_json: str) -> Any:
+    """``table``'s kernel of ``backend`` for the spec, else :data:`PAGED_FALLBACK`'s, built for the spec."""
+    spec = spec_from_json(spec_json)  # loads the registry: every backend's entries are in
+    ref = table.get((backend, spec.method)) or table.get((PAGED_FALLBACK, spec.method))
+    if ref is None:
+        raise BackendUnavailableError(
+            f"kvq::{op}: neither {backend!r} nor {PAGED_FALLBACK!r} has a kernel for {spec.method!r}")
+    return resolve(ref)(spec)
+
+
 @functools.lru_cache(maxsize=1024)
 def paged_kernel(backend: str, spec_json: str) -> Any:
     """The paged-attention kernel of ``backend`` for the spec, else :data:`PAGED_FALLBACK`'s (cached)."""
-    spec = spec_from_json(spec_json)  # loads the registry: every backend's entries are in
-    ref = _paged.get((backend, spec.method)) or _paged.get((PAGED_FALLBACK, spec.method))
-    if ref is None:
-        raise BackendUnavailableError(
-            f"kvq::attend_paged: neither {backend!r} nor {PAGED_FALLBACK!r} has a paged kernel for {spec.method!r}")
-    return resolve(ref)(spec)
+    return _paged_entry(_paged, "attend_paged", backend, spec_json)
 
 
 def register_paged_writer(backend: str, method: str, factory: "str | Callable[[Any], Any]") -> None:
@@ -87,9 +92,4 @@ def register_paged_writer(backend: str, method: str, factory: "str | Callable[[A
 @functools.lru_cache(maxsize=1024)
 def paged_writer(backend: str, spec_json: str) -> Any:
     """The paged-write kernel of ``backend`` for the spec, else :data:`PAGED_FALLBACK`'s (cached)."""
-    spec = spec_from_json(spec_json)  # loads the registry: every backend's entries are in
-    ref = _paged_write.get((backend, spec.method)) or _paged_write.get((PAGED_FALLBACK, spec.method))
-    if ref is None:
-        raise BackendUnavailableError(
-            f"kvq::write_paged: neither {backend!r} nor {PAGED_FALLBACK!r} has a paged writer for {spec.method!r}")
-    return resolve(ref)(spec)
+    return _paged_entry(_paged_write, "write_paged", backend, spec_json)
