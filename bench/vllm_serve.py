@@ -72,7 +72,7 @@ def long_prompts(model: str, text: Path, count: int, tokens: int) -> list[list[i
 def run(model: str, kvq: dict | None, prompts: list, max_tokens: int, engine: dict, **extra) -> dict:
     t0 = time.perf_counter()
     r = run_job({"model": model, "kvq": kvq, "prompts": prompts, "max_tokens": max_tokens,
-                 "engine": {"block_size": BLOCK, **engine}, **extra}, timeout=3600)
+                 "engine": {"block_size": BLOCK, **engine}, "warmup": True, **extra}, timeout=3600)
     if "error" in r:
         raise RuntimeError(f"{label(kvq)}: {r['error']}\n{r['log'][-3000:]}")
     r["process_seconds"] = round(time.perf_counter() - t0, 1)

@@ -279,6 +279,57 @@ class Quantizer:
         self._keep(state)
         return (out, lse) if return_lse else out
 
+    def fuses_window(self, q: Any) -> bool:
+        """Whether :meth:`attend_window` runs for queries like ``q``: the backend has a fused kernel
+        for this spec on ``q``'s device (numba on the CPU for OScaR/KIVI 2- and 4-bit rows, OCTOPUS)."""
+        fused = getattr(self.kernels, "fuses_window", None)
+        return fused is not None and bool(fused(q))
+
+    def attend_window(self, q: Any, blocks: Sequence[tuple[PackedKV, PackedKV]], window_k: Any, window_v: Any,
+                      scale: float | None = None, *, layer: int | None = None) -> tuple[Any, Any]:
+        """``(out, lse)``: softmax attention of ``q`` over packed blocks and an exact window, in one kernel call.
+
+        ``blocks``: (packed keys, packed values) pairs in token order, every token visible to every query;
+        ``window_k`` / ``window_v`` ``[batch, kv_heads, w, head_dim]``: the ``w >= q_len`` tokens after them
+        in full precision, the last ``q_len`` being the queries' own (query ``i`` sees the window up to
+        its position). One online softmax runs across the codes and the window (no per-part outputs to
+        merge); it equals softmax attention over the decoded blocks and the window within float tolerance.
+        ``out`` is in ``q``'s dtype, ``lse`` float32 ``[batch, q_heads, q_len]``. Only where
+        :meth:`fuses_window` (else :meth:`attend` per block and a log-sum-exp merge compute the same).
+        """
+        if not self.fuses_window(q):
+            raise BackendUnavailableError(f"backend {self.backend!r} has no fused window kernel for "
+                                          f"{self.spec.describe()} on this input; use attend() per block")
+        layer = check_layer(layer, self.layer)
+        state, parts, shape = self._bound, [], None
+        asarray = self.arrays.asarray
+        for pk, pv in blocks:
+            state, pk, _ = self._packed(pk, "keys", layer)
+            _, pv, _ = self._packed(pv, "values", layer)
+            if shape is None:
+                shape = check_query(q, pk, pv, self.arrays)
+            elif pk.shape[:2] != blocks[0][0].shape[:2] or pv.shape != pk.shape:
+                raise InputError(f"attend_window: block shape {list(pk.shape)} / {list(pv.shape)} differs in batch or "
+                                 f"kv_heads from the first block's {list(blocks[0][0].shape)}")
+            parts.append(({k: asarray(v) for k, v in pk.fields.items()}, {k: asarray(v) for k, v in pv.fields.items()},
+                          pk.shape[2]))
+        qs, ks, vs = getattr(q, "shape", ()), getattr(window_k, "shape", ()), getattr(window_v, "shape", ())
+        if len(qs) != 4 or len(ks) != 4 or tuple(vs) != tuple(ks) or ks[0] != qs[0] or ks[3] != qs[3] \
+                or ks[3] != state.spec.head_dim or qs[1] % ks[1] or ks[2] < qs[2] \
+                or (parts and tuple(ks[:2]) != tuple(blocks[0][0].shape[:2])):
+            raise InputError(f"attend_window: query {list(qs)}, window keys {list(ks)} and values {list(vs)}; expected "
+                             "q [batch, q_heads, q_len, head_dim] and equal windows [batch, kv_heads, w >= q_len, head_dim] "
+                             "matching the blocks' batch and kv_heads")
+        self._heads(ks, "window keys")
+        self._device_ok(state, q)
+        scale = check_scale(scale, state.spec.head_dim)
+        ctx = self._ctx(state, (ks[0], ks[1], sum(p[2] for p in parts), ks[3]), layer)
+        out, lse = state.kernels.attend_window(asarray(q), parts, asarray(window_k), asarray(window_v), ctx, scale)
+        check_attention_finite(lse, self.arrays, scale)
+        out = self.arrays.cast(out, dtype_name(q))
+        self._keep(state)
+        return out, lse
+
     def bits_per_element(self, packed: PackedKV | Sequence[PackedKV]) -> float:
         """Every stored bit (codes, norms, scales, zero-points, padding) over original elements."""
         blocks = [packed] if isinstance(packed, PackedKV) else list(packed)

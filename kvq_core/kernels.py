@@ -152,6 +152,10 @@ class MethodKernels(Protocol):
     # Optional: ``fake_quant(kind, x, ctx)`` returns ``decode(encode(x))`` in x's dtype in one
     # differentiable call (the torch-tensor backends' ``kvq::fake_quant`` op); without it
     # :meth:`kvq_core.Quantizer.fake_quant` composes the two kernels (no gradient).
+    # Optional: ``fuses_window(q) -> bool`` and ``attend_window(q, blocks, window_k, window_v, ctx,
+    # scale) -> (out, lse)``: attention over several blocks (``[(kfields, vfields, tokens), ...]``,
+    # in token order; ``ctx.shape`` counts their tokens together) then an exact window whose last
+    # ``q_len`` tokens are the queries' own, in one call (:meth:`kvq_core.Quantizer.attend_window`).
 
 
 __all__ = ["ArrayAdapter", "BackendInfo", "Deferred", "KernelContext", "MethodInfo", "MethodKernels", "Supports", "resolve"]

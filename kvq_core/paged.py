@@ -25,7 +25,7 @@ call per layer and step for the whole batch::
 
     kvq::attend_paged(str backend, str spec_json, int layer, Tensor q, Tensor pages, Tensor block_table,
                       Tensor code_lens, Tensor query_start_loc, float scale, Tensor? tail_k, Tensor? tail_v,
-                      Tensor? tail_slot, Tensor? tail_lens) -> (Tensor out, Tensor lse)
+                      Tensor? tail_slot, Tensor? tail_lens, int head_offset=0) -> (Tensor out, Tensor lse)
 
 - ``q`` float ``[n_tokens, q_heads, d]``: every request's query tokens, concatenated; request ``r``
   owns tokens ``query_start_loc[r] : query_start_loc[r + 1]`` (int32 ``[num_reqs + 1]``);
@@ -40,8 +40,30 @@ call per layer and step for the whole batch::
   ``code_lens[r] + tail_lens[r] - q_len + i`` and attends causally to every position up to its own
   (decode: ``q_len = 1``; chunked prefill, a prefix-cache tail, recompute, spec-decode verification:
   ``q_len > 1``); GQA: query head ``j`` reads kv head ``j // (q_heads // kv_heads)``;
+- ``head_offset``: the global index of the pages' first kv head (a tensor-parallel rank's), whose
+  per-head constants the codes were written with (``kvq::encode``'s ``head_offset``);
 - returns ``out`` float32 ``[n_tokens, q_heads, d]`` and ``lse`` float32 ``[n_tokens, q_heads]``
   (log-sum-exp of the scaled logits, to merge with attention over other tokens).
+
+A backend may decode a request's context to K/V where that is measured faster, attending the same
+values: numba on CPU does so for requests of at least ``kvq_numba.paged.DENSE_MIN_QUERY`` (16)
+query tokens (``bench/results/paged_prefill.md``: even at 16, 2-4x faster at 512 query tokens,
+slower below 8), and scores from the codes otherwise.
+
+**Paged write** (``torch.ops.kvq.write_paged``), one call per layer and step, in place::
+
+    kvq::write_paged(str backend, str spec_json, int layer, Tensor key, Tensor value, Tensor(a!) pages,
+                     Tensor slot_mapping, int head_offset=0) -> ()
+
+- ``key`` / ``value`` float ``[n_tokens, kv_heads, d]``, ``slot_mapping`` int ``[n_tokens]``: token ``i``'s
+  row goes to page ``slot // block_size``, row ``slot % block_size``; a slot ``< 0`` is padding and
+  writes nothing;
+- per-token codecs encode the ``n`` tokens as one block; token-group codecs (OScaR, KIVI) take whole
+  groups: tokens ``jG .. (j+1)G`` are group ``j``, encoded together, their slots one group of a page
+  (:func:`step_blocks`; the engine keeps an open group exact until it completes);
+- the rows are those of :meth:`PageLayout.pack` of ``kvq::encode``'s fields: the torch backend's
+  version (``kvq_torch.paged_write``) does exactly that and is the reference; numba's encodes with
+  its CPU kernels and writes the row bytes straight into the pages.
 
 No kernel reads a device tensor's value on the host (no synchronisation); what the arguments
 promise (lengths within the table, positions >= 0) is the caller's contract, checked here by the
@@ -245,6 +267,17 @@ def gather_rows(pages: Any, block_ids: Any, tokens: int) -> Any:
     return rows[None, :, :tokens]
 
 
+def step_blocks(x: Any, group: int) -> Any:
+    """A paged write's tokens ``x [n, kv_heads, d]`` (NumPy or torch) as the blocks they are encoded
+    in, ``[B, kv_heads, T, d]`` (a view): one block of ``n`` tokens for a per-token codec
+    (``group == 1``), one block per ``group`` tokens otherwise."""
+    n, h, d = x.shape
+    if n % group:
+        raise InputError(f"kvq::write_paged: {n} tokens is not a whole number of {group}-token key groups")
+    b = 1 if group == 1 else n // group
+    return _ops(x).permute(x.reshape(b, n // b, h, d), (0, 2, 1, 3))
+
+
 # -- the reference -------------------------------------------------------------------------------
 
 def _slice_block(p: PackedKV, tokens: int, group: int) -> PackedKV:
@@ -286,20 +319,25 @@ def _exact(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[n
 
 def attend_paged_reference(spec: MethodSpec, layer: int, q: Any, pages: Any, block_table: Any, code_lens: Any,
                            query_start_loc: Any, scale: float, tail_k: Any = None, tail_v: Any = None,
-                           tail_slot: Any = None, tail_lens: Any = None) -> tuple[np.ndarray, np.ndarray]:
+                           tail_slot: Any = None, tail_lens: Any = None,
+                           head_offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``kvq::attend_paged``'s meaning (module docstring), computed on the host: per request its
     rows gathered and unpacked, the NumPy backend's ``attend(return_lse=True)`` over each causal
-    prefix of the coded tokens, merged with exact float64 softmax over the visible tail.
+    prefix of the coded tokens (the constants of global kv heads ``head_offset`` on), merged with
+    exact float64 softmax over the visible tail.
     Returns ``(out float32 [n_tokens, q_heads, d], lse float32 [n_tokens, q_heads])``."""
-    from kvq_core.api import Quantizer
+    from kvq_core.constants import constants
+    from kvq_core.kernels import KernelContext
     from kvq_core.layout import to_host
+    from kvq_core.registry import kernel_factory
 
     q, pages, table = to_host(q).astype(np.float32), to_host(pages), to_host(block_table).astype(np.int64)
     code_lens, qsl = to_host(code_lens).astype(np.int64), to_host(query_start_loc).astype(np.int64)
     n, hq, d = q.shape
     _, hk, block_size, _ = pages.shape
     layout = PageLayout(spec, block_size, hk)
-    quant = Quantizer(spec, "numpy", layer)
+    kernels = kernel_factory("numpy", spec.method)(spec)
+    consts = constants(spec, hk, layer, head_offset)
     if tail_k is not None:
         tail_k, tail_v = to_host(tail_k).astype(np.float32), to_host(tail_v).astype(np.float32)
         tail_slot, tail_lens = to_host(tail_slot).astype(np.int64), to_host(tail_lens).astype(np.int64)
@@ -325,8 +363,8 @@ def attend_paged_reference(spec: MethodSpec, layer: int, q: Any, pages: Any, blo
             seen = min(coded, pos + 1)
             if seen:
                 qi = q[start + i][None, :, None, :]
-                o, s = quant.attend(qi, _slice_block(pk, seen, layout.group), _slice_block(pv, seen, layout.group),
-                                    scale=scale, return_lse=True)
+                bk, bv = _slice_block(pk, seen, layout.group), _slice_block(pv, seen, layout.group)
+                o, s = kernels.attend(qi, bk.fields, bv.fields, KernelContext(spec, layer, bk.shape, consts), scale)
                 parts.append((np.asarray(o)[0, :, 0], np.asarray(s)[0, :, 0]))
             exact = pos + 1 - coded
             if exact > 0:

@@ -61,7 +61,8 @@ def parse_method(text: str) -> tuple[str, dict[str, Any]]:
 def warm(method: str, params: dict[str, Any], shape: dict[str, int], backend: str = "auto",
          device: str | None = "cpu", say: Any = print) -> float:
     """Encode, decode and attend a small block of ``method`` on ``backend`` (``"auto"``: what a
-    ``KVQCache`` on ``device`` picks); returns the seconds it took."""
+    ``KVQCache`` on ``device`` picks), and attend it with an exact window where the backend fuses
+    the two (:meth:`kvq_core.Quantizer.attend_window`); returns the seconds it took."""
     import kvq_core
 
     t0 = time.perf_counter()
@@ -78,6 +79,9 @@ def warm(method: str, params: dict[str, Any], shape: dict[str, int], backend: st
     q.decode_keys(pk), q.decode_values(pv)
     say(f"{label} attend ...")
     q.attend(query, pk, pv)
+    if q.fuses_window(query):  # what a KVQCache decode step calls: the blocks and the exact window at once
+        say(f"{label} attend_window ...")
+        q.attend_window(query, [(pk, pv)], kv[:, :, :4], kv[:, :, :4])
     return time.perf_counter() - t0
 
 

@@ -53,3 +53,62 @@ def test_per_head_names_are_exactly_the_arrays_with_a_head_axis(method: str) -> 
 def test_negative_offset_is_a_spec_error() -> None:
     with pytest.raises(SpecError, match="head_offset"):
         constants(registry.make_spec("octopus", head_dim=64), 2, 0, -1)
+
+
+# -- through the kvq:: ops: a TP=2 rank's encode and paged attention vs TP=1's, no engine ----------
+
+TP_CODECS = [("octopus", {"bits": 3}, "numba"), ("octopus", {"bits": 3}, "torch"), ("turboquant", {"bits": 3}, "torch"),
+             ("kivi", {"bits": 2}, "numba")]  # OScaR: its token norm spans every kv head of a token (README)
+
+
+@pytest.mark.parametrize("method,params,backend", TP_CODECS, ids=lambda x: str(x))
+def test_tp_rank_ops_equal_single_rank_slice(method: str, params: dict, backend: str) -> None:
+    """``kvq::encode(..., head_offset)`` of a rank's heads gives the single-rank fields of those heads,
+    bit for bit; ``kvq::attend_paged(..., head_offset)`` over the rank's pages (the single-rank pages'
+    head slice) gives the single-rank output of the rank's query heads (decode and a prefill chunk)."""
+    torch = pytest.importorskip("torch")
+    if backend == "numba":
+        pytest.importorskip("numba")
+    import kvq_core.dispatch.ops  # noqa: F401
+    from kvq_core.dispatch.torch_kernels import field_names
+    from kvq_core.paged import PageLayout
+
+    spec = registry.make_spec(method, head_dim=64, **params)
+    sj, layer, heads, group, bs, tp = spec.to_json(), 5, 4, 3, 32, 2
+    t = 64
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, heads, t, 64, generator=gen), torch.randn(1, heads, t, 64, generator=gen)
+
+    def fields(kind: str, x: torch.Tensor, offset: int) -> dict:
+        return dict(zip(field_names(spec, kind), torch.ops.kvq.encode("torch", sj, layer, kind, x, offset)))
+
+    whole = PageLayout(spec, bs, heads)
+    rows = whole.pack(fields("keys", k, 0), fields("values", v, 0))  # [1, heads, t, row_bytes]
+    pages = rows[0].reshape(heads, t // bs, bs, -1).permute(1, 0, 2, 3).contiguous()
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    pages = pages[[1, 0]]  # block 1 holds the first tokens (a non-trivial table)
+    q = torch.randn(t, heads * group, 64, generator=gen)
+    lens = torch.tensor([t], dtype=torch.int32)
+    per = heads // tp
+    for q_len in (1, t):
+        qsl = torch.tensor([0, q_len], dtype=torch.int32)
+        want = torch.ops.kvq.attend_paged(backend, sj, layer, q[:q_len], pages, table, lens, qsl, 0.125,
+                                          None, None, None, None)
+        for rank in range(tp):
+            lo = rank * per
+            mine_k, mine_v = fields("keys", k[:, lo:lo + per], lo), fields("values", v[:, lo:lo + per], lo)
+            for mine, theirs in ((mine_k, fields("keys", k, 0)), (mine_v, fields("values", v, 0))):
+                for name, f in mine.items():
+                    assert torch.equal(f, theirs[name][:, lo:lo + per]), f"rank {rank} {name}"
+            mine_pages = pages[:, lo:lo + per]
+            assert torch.equal(PageLayout(spec, bs, per).pack(mine_k, mine_v)[0],
+                               rows[0, lo:lo + per])
+            qh = slice(lo * group, (lo + per) * group)
+            got = torch.ops.kvq.attend_paged(backend, sj, layer, q[:q_len, qh], mine_pages, table, lens, qsl, 0.125,
+                                             None, None, None, None, lo)
+            torch.testing.assert_close(got[0], want[0][:, qh], atol=2e-5, rtol=0)
+            torch.testing.assert_close(got[1], want[1][:, qh], atol=2e-5, rtol=0)
+            if rank and any(name in PER_HEAD for name in spec.constants(heads, layer)):
+                wrong = torch.ops.kvq.attend_paged(backend, sj, layer, q[:q_len, qh], mine_pages, table, lens, qsl,
+                                                   0.125, None, None, None, None)
+                assert not torch.allclose(wrong[0], want[0][:, qh], atol=1e-3)

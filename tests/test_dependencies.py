@@ -44,6 +44,7 @@ EXTRAS_BY_PREFIX: dict[str, tuple[str, ...]] = {
     "backends/kvq_triton": ("triton", "torch"),
     "backends/kvq_numba": ("numba",),
     "backends/kvq_numba/paged.py": ("numba", "torch"),  # kvq::attend_paged (a torch op) on the numba kernels
+    "backends/kvq_numba/paged_write.py": ("numba", "torch"),  # kvq::write_paged (a torch op) on the numba kernels
     "kvq_core/onnx": ("onnx", "torch"),
 }
 

@@ -145,12 +145,19 @@ NUMBA = [("oscar", {"bits": 2}), ("kivi", {"bits": 2}), ("octopus", {"bits": 3})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+@pytest.mark.parametrize("dense_min", ["default", "codes only", "decoded only"])
 @pytest.mark.parametrize("method,params", NUMBA, ids=lambda x: str(x))
-def test_numba_matches_reference(method: str, params: dict) -> None:
-    """The numba CPU kernels (planes for OScaR/KIVI 2- and 4-bit, OCTOPUS) read the pages directly."""
+def test_numba_matches_reference(method: str, params: dict, dense_min: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numba CPU kernels (planes for OScaR/KIVI 2- and 4-bit, OCTOPUS) read the pages directly;
+    requests with many query tokens decode their context and attend on torch's flash kernel (every
+    request one way or the other, and the default threshold, which splits the multi-token cases)."""
+    from kvq_numba import paged
     from kvq_numba.paged import PagedNumba
 
     assert PagedNumba(kvq_core.make_spec(method, head_dim=D, **params)).fast
+    assert 7 < paged.DENSE_MIN_QUERY <= 16  # the cases split: q_lens 1, 3, 4, 7 stay on the codes, 16 and more are decoded
+    if dense_min != "default":
+        monkeypatch.setattr(paged, "DENSE_MIN_QUERY", 1 << 30 if dense_min == "codes only" else 1)
     check_backend("numba", method, params)
 
 

@@ -32,9 +32,11 @@ def _q(q_heads: int = 4, head_dim: int = 64, q_len: int = 1):
 def test_ops_are_in_one_namespace() -> None:
     for name in ("encode", "decode", "attend", "materialize"):
         assert hasattr(torch.ops.kvq, name)
-    assert set(ops.OPS) == {"encode", "decode", "attend", "materialize", "attend_paged", "fake_quant", "fake_quant_grad"}
+    assert set(ops.OPS) == {"encode", "decode", "attend", "materialize", "attend_paged", "write_paged", "fake_quant",
+                            "fake_quant_grad"}
     torch.library.opcheck(torch.ops.kvq.materialize.default, (torch.randn(3, 4).t(),))
-    assert str(torch.ops.kvq.encode.default._schema).startswith("kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x)")
+    assert str(torch.ops.kvq.encode.default._schema) == ("kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x, "
+                                                         "int head_offset=0) -> Tensor[]")
 
 
 @pytest.mark.parametrize("method", OPCHECK_METHODS)

@@ -111,6 +111,29 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, kc, kn, vc, vn, vh, desc, val
         store_partial(job, m, l, acc, pm, pl, pacc)
 
 
+def contiguous_jobs(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
+    """``(jobs_fn, align)``: :func:`octopus_jobs` over one contiguous block (the trivial page table:
+    request ``b`` is batch element ``b``), for :func:`kvq_numba.cpu_paged.run` and its kin."""
+    nhk, nt, krb = kcodes.shape[1], kcodes.shape[2], kcodes.shape[3]
+    desc = np.zeros((5, DESC), np.int64)
+    #        rows per block, block stride, head stride, row stride, offset, width, group rows
+    desc[F_KC] = (nt, nhk * nt * krb, nt * krb, krb, 0, krb, 1)
+    desc[F_KN] = (nt, nhk * nt * 4, nt * 4, 4, 0, 4, 1)
+    if values_fp16:
+        d = vhalf.shape[3]
+        desc[F_VH] = (nt, nhk * nt * 2 * d, nt * 2 * d, 2 * d, 0, 2 * d, 1)
+    else:
+        vrb = vcodes.shape[3]
+        desc[F_VC] = (nt, nhk * nt * vrb, nt * vrb, vrb, 0, vrb, 1)
+        desc[F_VN] = desc[F_KN]
+    bufs = [_bytes(a) for a in (kcodes, kgamma, vcodes, vgamma, vhalf)]
+    scale = np.float32(scale)
+
+    def jobs_fn(qh, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
+        octopus_jobs(qh, jobs, first, row_lo, g, tab, *bufs, desc, values_fp16, bits, table, scale, pm, pl, pacc)
+    return jobs_fn, BLOCK
+
+
 def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
     """OCTOPUS attention of rotated queries ``q`` float32 [b, hk, rows, d] over triplet codes: the
     contiguous blocks as the trivial page table of :func:`octopus_jobs`.
@@ -119,24 +142,8 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
     ``values_fp16``, the float16 rows ``vhalf`` (uint16 bits [b, hk, t, d], original domain).
     Returns (out float32 [b, hk, rows, d], lse float32 [b, hk, rows]).
     """
-    nb, nhk, nr, d = q.shape
-    nt = kcodes.shape[2]
-    desc = np.zeros((5, DESC), np.int64)
-    #        rows per block, block stride, head stride, row stride, offset, width, group rows
-    krb = kcodes.shape[3]
-    desc[F_KC] = (nt, nhk * nt * krb, nt * krb, krb, 0, krb, 1)
-    desc[F_KN] = (nt, nhk * nt * 4, nt * 4, 4, 0, 4, 1)
-    if values_fp16:
-        desc[F_VH] = (nt, nhk * nt * 2 * d, nt * 2 * d, 2 * d, 0, 2 * d, 1)
-    else:
-        vrb = vcodes.shape[3]
-        desc[F_VC] = (nt, nhk * nt * vrb, nt * vrb, vrb, 0, vrb, 1)
-        desc[F_VN] = desc[F_KN]
-    bufs = [_bytes(a) for a in (kcodes, kgamma, vcodes, vgamma, vhalf)]
-    return cpu_paged.run_trivial(
-        q, nt, lambda qh, jobs, first, row_lo, g, tab, pm, pl, pacc: octopus_jobs(
-            qh, jobs, first, row_lo, g, tab, *bufs, desc, values_fp16, bits, table, np.float32(scale), pm, pl, pacc),
-        BLOCK)
+    return cpu_paged.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
+        kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale))
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:

@@ -283,13 +283,12 @@ def planes_jobs(q, jobs, first, row_lo, g, table, kc, ks, ko, kn, vc, vs, vo, de
         store_partial(job, m, l, out, pm, pl, pacc)
 
 
-def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
-    """:func:`kvq_numba.cpu_attend.attend_int_codes` (same arguments and results) for code rows that
-    :func:`fits`: the contiguous blocks as the trivial page table of :func:`planes_jobs`."""
-    nb, nhk, nr, d = q.shape
-    nt, nkg = kcodes.shape[2], kscale.shape[2]
+def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
+    """``(jobs_fn, align)``: :func:`planes_jobs` over one contiguous block (the trivial page table:
+    request ``b`` is batch element ``b``), for :func:`kvq_numba.cpu_paged.run` and its kin."""
+    nhk, nt, rb = kcodes.shape[1], kcodes.shape[2], kcodes.shape[3]
+    nkg, d = kscale.shape[2], kscale.shape[3]
     nvg = d // vgroup
-    rb = kcodes.shape[3]
     desc = np.zeros((7, DESC), np.int64)
     #        rows per block, block stride, head stride, row stride, offset, width, group rows
     desc[F_KC] = (nt, nhk * nt * rb, nt * rb, rb, 0, rb, 1)
@@ -297,12 +296,19 @@ def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, v
     desc[F_KN] = (nt, nt * 4, 0, 4, 0, 4, 1) if use_norm else 0
     desc[F_VC] = desc[F_KC]
     desc[F_VS] = desc[F_VO] = (nt, nhk * nt * 2 * nvg, nt * 2 * nvg, 2 * nvg, 0, 2 * nvg, 1)
-    return cpu_paged.run_trivial(
-        q, nt, lambda qh, jobs, first, row_lo, g, table, pm, pl, pacc: planes_jobs(
-            qh, jobs, first, row_lo, g, table, _bytes(kcodes), _bytes(kscale), _bytes(koffset), _bytes(knorm),
-            _bytes(vcodes), _bytes(vscale), _bytes(voffset), desc, use_norm, bits, kgroup, vgroup, np.float32(scale),
-            pm, pl, pacc),
-        block_tokens(kgroup))
+    bufs = [_bytes(a) for a in (kcodes, kscale, koffset, knorm, vcodes, vscale, voffset)]
+    scale = np.float32(scale)
+
+    def jobs_fn(qh, jobs, first, row_lo, g, table, pm, pl, pacc):  # noqa: ANN001, ANN202
+        planes_jobs(qh, jobs, first, row_lo, g, table, *bufs, desc, use_norm, bits, kgroup, vgroup, scale, pm, pl, pacc)
+    return jobs_fn, int(block_tokens(kgroup))
+
+
+def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
+    """:func:`kvq_numba.cpu_attend.attend_int_codes` (same arguments and results) for code rows that
+    :func:`fits`: the contiguous blocks as the trivial page table of :func:`planes_jobs`."""
+    return cpu_paged.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
+        kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale))
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:

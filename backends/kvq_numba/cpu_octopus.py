@@ -18,14 +18,14 @@ from kvq_numba.rules import triplet_code
 def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
     """Codes uint8 [b, h, t, row_bytes] and norms gamma float32 [b, h, t] of C-contiguous float32
     x [b, h, t, d]: normalise and sign, rotate (:func:`fwht_heads`), then one code per triplet."""
-    v, gamma = _signed_units(x, signs)
+    v, gamma = signed_units(x, signs)
     fwht_heads(v, v, inv_sqrt_d)
     codes = _triplet_codes(v, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint)
     return codes, gamma
 
 
 @njit(parallel=True, cache=True)
-def _signed_units(x, signs):
+def signed_units(x, signs):
     """(``s_h * x / gamma``, gamma) per row, gamma the float32 L2 norm in NumPy's pairwise order
     (rows of norm 0 divide by 1)."""
     nb, nh, nt, d = x.shape

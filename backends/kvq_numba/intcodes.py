@@ -16,9 +16,9 @@ import numpy as np
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.kivi import KiviSpec
 from kvq_core.methods.oscar import OscarSpec
-from kvq_numba import compile_notice, cpu_attend, cpu_attend_planes, cpu_intquant, cpu_rotation, rules, threads
+from kvq_numba import compile_notice, cpu_attend, cpu_attend_planes, cpu_intquant, cpu_rotation, cpu_window, rules, threads
 from kvq_numba.arrays import as_float32, is_cuda_input
-from kvq_numba.cpu_common import half_bits, inv_sqrt
+from kvq_numba.cpu_common import fwht_heads, half_bits, inv_sqrt
 
 compile_notice.install()
 threads.prefer_tbb()
@@ -133,11 +133,42 @@ class IntCodesNumba:
     def attend_args(self, qr: np.ndarray, kfields: Fields, vfields: Fields, scale: float) -> tuple[Any, tuple[Any, ...]]:
         """The attend kernel and its arguments for rotated queries ``qr`` [b, hk, rows, d] (also what
         ``kvq bench speed`` calls directly to time the Python around it)."""
+        return self._attend_kernel, (qr, *self._block_args(kfields, vfields, scale))
+
+    def _block_args(self, kfields: Fields, vfields: Fields, scale: float) -> tuple[Any, ...]:
+        """A block's fields and the method's ingredients, in the attend kernels' argument order (after the queries)."""
         norm = as_float32(kfields["norm"]) if self.token_scaling else _NO_NORM
-        return self._attend_kernel, (
-            qr, np.ascontiguousarray(kfields["codes"]), half_bits(kfields["scale"]), half_bits(kfields["offset"]),
-            norm, self.token_scaling, np.ascontiguousarray(vfields["codes"]), half_bits(vfields["scale"]),
-            half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
+        return (np.ascontiguousarray(kfields["codes"]), half_bits(kfields["scale"]), half_bits(kfields["offset"]),
+                norm, self.token_scaling, np.ascontiguousarray(vfields["codes"]), half_bits(vfields["scale"]),
+                half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
+
+    def fuses_window(self, q: Any) -> bool:
+        """:meth:`attend_window` runs for host queries over code rows the vector kernel takes (cpu_attend_planes.fits)."""
+        return not is_cuda_input(q) and cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group)
+
+    def attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
+                      ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """Packed blocks then an exact window in one plan and one combine (:mod:`kvq_numba.cpu_window`)."""
+        b, hq, lq, d = q.shape
+        work = b * hq * lq * (ctx.shape[2] + window_k.shape[2]) * d
+        return threads.run(work, self._attend_window, q, blocks, window_k, window_v, ctx.shape[1], scale)
+
+    def _attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
+                       hk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        b, hq, lq, d = q.shape
+        g = hq // hk
+        qo = cpu_window.grouped_queries(as_float32(q), hk)
+        qc = self._rotate(qo[None])[0]
+        jobs = [(*cpu_attend_planes.contiguous_jobs(*self._block_args(kf, vf, scale)), t) for kf, vf, t in blocks]
+        inv = self.inv_sqrt_d
+
+        def back(pacc: np.ndarray, _jobs: np.ndarray) -> None:
+            x = pacc.reshape(1, 1, -1, d)
+            fwht_heads(x, x, inv)
+
+        out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)),
+                                  back if self.rotation else None, scale)
+        return cpu_window.ungrouped(out, b, lq, g), cpu_window.ungrouped(lse, b, lq, g)
 
 
 class OscarNumba(IntCodesNumba):

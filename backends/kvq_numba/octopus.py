@@ -9,9 +9,9 @@ import numpy as np
 
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.octopus import OctopusSpec
-from kvq_numba import compile_notice, cpu_attend_octopus, cpu_octopus, threads
+from kvq_numba import compile_notice, cpu_attend_octopus, cpu_octopus, cpu_window, threads
 from kvq_numba.arrays import as_float32, is_cuda_input
-from kvq_numba.cpu_common import half_bits, inv_sqrt
+from kvq_numba.cpu_common import fwht_heads, half_bits, inv_sqrt
 
 compile_notice.install()
 threads.prefer_tbb()
@@ -31,6 +31,12 @@ class OctopusNumba:
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
         self._cuda: Any = None
         self._table: tuple[Any, np.ndarray] | None = None
+        #: values stored as float16 rows (original domain) rather than coded (rotated domain)
+        self.values_fp16 = self._fp16_values(spec)
+
+    @staticmethod
+    def _fp16_values(spec: Any) -> bool:
+        return spec.values == "fp16"
 
     def _gpu(self) -> Any:
         if self._cuda is None:
@@ -78,14 +84,14 @@ class OctopusNumba:
     def encode_values(self, v: Any, ctx: KernelContext) -> Fields:
         if is_cuda_input(v):
             return self._gpu().encode_values(v, ctx)
-        if self.spec.values == "fp16":
+        if self.values_fp16:
             return {"data": as_float32(v).astype(np.float16)}
         return threads.run(math.prod(ctx.shape) * threads.OCTOPUS_ENCODE_WEIGHT, self._encode, v, ctx.consts)
 
     def decode_values(self, fields: Fields, ctx: KernelContext) -> Any:
         if is_cuda_input(next(iter(fields.values()))):
             return self._gpu().decode_values(fields, ctx)
-        if self.spec.values == "fp16":
+        if self.values_fp16:
             return np.asarray(fields["data"]).astype(np.float32)
         return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode, fields, ctx.consts)
 
@@ -101,13 +107,48 @@ class OctopusNumba:
         hk = ctx.shape[1]
         signs = np.ascontiguousarray(ctx.consts["signs"])
         qr = cpu_octopus.signed_rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d), signs, self.inv_sqrt_d)
-        fp16 = self.spec.values == "fp16"
-        out, lse = cpu_attend_octopus.attend_octopus(
-            qr, np.ascontiguousarray(kfields["codes"]), as_float32(kfields["norm"]),
-            _NO_CODES if fp16 else np.ascontiguousarray(vfields["codes"]),
-            _NO_NORMS if fp16 else as_float32(vfields["norm"]),
-            half_bits(vfields["data"]) if fp16 else _NO_HALVES, fp16,
-            *self._books(ctx.consts), np.float32(scale))
+        fp16 = self.values_fp16
+        out, lse = cpu_attend_octopus.attend_octopus(qr, *self._block_args(kfields, vfields, ctx, scale))
         if not fp16:
             out = cpu_octopus.signed_unrotate(out, signs, self.inv_sqrt_d)
         return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+    def _block_args(self, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, ...]:
+        """A block's fields and the decode constants, in the attend kernels' argument order (after the queries)."""
+        fp16 = self.values_fp16
+        return (np.ascontiguousarray(kfields["codes"]), as_float32(kfields["norm"]),
+                _NO_CODES if fp16 else np.ascontiguousarray(vfields["codes"]),
+                _NO_NORMS if fp16 else as_float32(vfields["norm"]),
+                half_bits(vfields["data"]) if fp16 else _NO_HALVES, fp16,
+                *self._books(ctx.consts), np.float32(scale))
+
+    def fuses_window(self, q: Any) -> bool:
+        """:meth:`attend_window` runs for host queries (NumPy, CPU tensors)."""
+        return not is_cuda_input(q)
+
+    def attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
+                      ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """Packed blocks then an exact window in one plan and one combine (:mod:`kvq_numba.cpu_window`)."""
+        b, hq, lq, d = q.shape
+        work = b * hq * lq * (ctx.shape[2] + window_k.shape[2]) * d
+        return threads.run(work, self._attend_window, q, blocks, window_k, window_v, ctx, scale)
+
+    def _attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
+                       ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        b, hq, lq, d = q.shape
+        hk = ctx.shape[1]
+        g = hq // hk
+        signs = np.ascontiguousarray(ctx.consts["signs"]).astype(np.float32)
+        qo = cpu_window.grouped_queries(as_float32(q), hk)
+        qc = cpu_octopus.signed_rotate(qo[None], signs, self.inv_sqrt_d)[0]
+        jobs = [(*cpu_attend_octopus.contiguous_jobs(*self._block_args(kf, vf, ctx, scale)), t) for kf, vf, t in blocks]
+        inv = self.inv_sqrt_d
+
+        def back(pacc: np.ndarray, plan: np.ndarray) -> None:  # diag(s_h) H per job row, h the job's kv head
+            x = pacc.reshape(1, 1, -1, d)
+            fwht_heads(x, x, inv)
+            pacc.reshape(-1, pacc.shape[1] // d, d)[...] *= signs[plan[:, 1]][:, None, :]
+
+        out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)),
+                                  None if self.values_fp16 else back, scale)
+        return cpu_window.ungrouped(out, b, lq, g), cpu_window.ungrouped(lse, b, lq, g)

@@ -8,6 +8,17 @@ Per call: queries are rotated once (and tail keys/values into the codes' domain)
 (split-KV jobs per request, kv head and tile of query rows, plus one job per tile for the exact
 tail), the jobs run in parallel, a log-sum-exp combine merges each tile's jobs, the output is
 un-rotated once. Nothing loops over requests in Python.
+
+**Many query tokens** (a prefill chunk, a prefix-cache tail, recompute): a request with at least
+:data:`DENSE_MIN_QUERY` query tokens is served by decoding its context to float32 K/V once (its
+rows gathered through the block table, the codec's numba decode, the exact tail appended) and
+causal attention over them on torch's CPU flash kernel, which returns the log-sum-exp too
+(:func:`dense_causal`). The op's meaning is unchanged: decoded K/V are what the codes score
+against. Measured crossover (``bench/paged_prefill.py``, ``bench/results/paged_prefill.md``;
+SmolLM2's shape, 1 thread): the two paths are about even at 16 query tokens, decoding wins from 32
+on (2-4x at 512 query tokens over 512-2048 context tokens) and loses below 8 (decoding a context
+costs more than one pass of a few queries over its codes). Decode steps (``q_len = 1``) and
+n-gram verification of a few drafts stay on the codes.
 """
 from __future__ import annotations
 
@@ -18,11 +29,14 @@ import torch
 
 from kvq_core.constants import constants
 from kvq_core.dispatch.table import PAGED_FALLBACK, paged_kernel
-from kvq_core.kernels import resolve
-from kvq_core.paged import GROUP, PageLayout
+from kvq_core.kernels import KernelContext, resolve
+from kvq_core.paged import GROUP, PageLayout, gather_rows
 from kvq_core.spec import MethodSpec
 from kvq_numba import cpu_attend_octopus, cpu_attend_planes, cpu_octopus, cpu_paged
 from kvq_numba.plugin import KERNELS, supports
+
+#: fewest query tokens of a request that take the decode-then-flash path (module docstring)
+DENSE_MIN_QUERY = 16
 
 
 def flat_pages(pages: torch.Tensor) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -48,6 +62,7 @@ class PagedNumba:
         else:
             self.fast = ok and cpu_attend_planes.fits(spec.bits, spec.head_dim, self.impl.value_group)
         self._layouts: dict[tuple[int, int], PageLayout] = {}
+        self._setups: dict[tuple[int, ...], tuple[Any, ...]] = {}
 
     def _layout(self, block_size: int, kv_heads: int) -> PageLayout:
         key = (block_size, kv_heads)
@@ -60,10 +75,10 @@ class PagedNumba:
         return (layout.block_size, *strides, s.start, s.width, layout.group if s.stripe == GROUP else 1)
 
     # -- per method: the codes' domain and the kernel ------------------------------------------
-    def _transforms(self, layer: int, kv_heads: int) -> tuple[Any, Any, Any]:
+    def _transforms(self, layer: int, kv_heads: int, head_offset: int) -> tuple[Any, Any, Any]:
         """(to the keys' domain, to the values' domain, back from the values' domain), on [1, h, t, d]."""
         if self.spec.method == "octopus":
-            signs = np.ascontiguousarray(constants(self.spec, kv_heads, layer)["signs"])
+            signs = np.ascontiguousarray(constants(self.spec, kv_heads, layer, head_offset)["signs"])
             inv = self.impl.inv_sqrt_d
 
             def rot(x: np.ndarray) -> np.ndarray:
@@ -78,9 +93,22 @@ class PagedNumba:
         rot = self.impl._rotate
         return rot, rot, rot
 
-    def _jobs(self, layout: PageLayout, layer: int, flat: np.ndarray, strides: tuple[int, int, int],
-              scale: np.float32) -> Any:
-        """``(jobs_fn, align)`` of the method's CODES kernel over these pages."""
+    def _setup(self, layer: int, head_offset: int, block_size: int, kv_heads: int,
+               strides: tuple[int, int, int]) -> tuple[Any, ...]:
+        """``(layout, (to_k, to_v, from_v), make_jobs, align)`` of a layer's pages, built once per
+        (layer, head offset, page shape and strides): a decode step's Python is the minimum."""
+        key = (layer, head_offset, block_size, kv_heads, *strides)
+        hit = self._setups.get(key)
+        if hit is None:
+            layout = self._layout(block_size, kv_heads)
+            hit = (layout, self._transforms(layer, kv_heads, head_offset),
+                   *self._jobs(layout, layer, head_offset, strides))
+            self._setups[key] = hit
+        return hit
+
+    def _jobs(self, layout: PageLayout, layer: int, head_offset: int, strides: tuple[int, int, int]) -> Any:
+        """``(make_jobs, align)``: ``make_jobs(flat, scale)`` is the method's CODES kernel over pages whose
+        bytes are ``flat``."""
         if self.spec.method == "octopus":
             fp16 = self.spec.values == "fp16"
             desc = np.zeros((5, cpu_paged.DESC), np.int64)
@@ -91,11 +119,13 @@ class PagedNumba:
             else:
                 desc[cpu_attend_octopus.F_VC] = self._desc(layout, "values", "codes", strides)
                 desc[cpu_attend_octopus.F_VN] = self._desc(layout, "values", "norm", strides)
-            bits, table = self.impl._books(constants(self.spec, layout.kv_heads, layer))
+            bits, table = self.impl._books(constants(self.spec, layout.kv_heads, layer, head_offset))
 
-            def octopus(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
-                cpu_attend_octopus.octopus_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, desc,
-                                                fp16, bits, table, scale, pm, pl, pacc)
+            def octopus(flat, scale):  # noqa: ANN001, ANN202
+                def jobs_fn(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
+                    cpu_attend_octopus.octopus_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, desc,
+                                                    fp16, bits, table, scale, pm, pl, pacc)
+                return jobs_fn
             return octopus, cpu_attend_octopus.BLOCK
         impl = self.impl
         desc = np.zeros((7, cpu_paged.DESC), np.int64)
@@ -106,50 +136,119 @@ class PagedNumba:
         if impl.token_scaling:
             desc[cpu_attend_planes.F_KN] = self._desc(layout, "keys", "norm", strides)
 
-        def planes(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
-            cpu_attend_planes.planes_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, flat, flat, desc,
-                                          impl.token_scaling, impl.bits, impl.key_group, impl.value_group, scale,
-                                          pm, pl, pacc)
+        def planes(flat, scale):  # noqa: ANN001, ANN202
+            def jobs_fn(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
+                cpu_attend_planes.planes_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, flat, flat,
+                                              desc, impl.token_scaling, impl.bits, impl.key_group, impl.value_group,
+                                              scale, pm, pl, pacc)
+            return jobs_fn
         return planes, int(cpu_attend_planes.block_tokens(impl.key_group))
 
     # -- the op ---------------------------------------------------------------------------------
     def attend_paged(self, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                      code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                      tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
-                     tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tail_lens: torch.Tensor | None, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if q.device.type != "cpu" or not self.fast:
             return paged_kernel(PAGED_FALLBACK, self.spec_json).attend_paged(
-                layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v, tail_slot, tail_lens)
+                layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v, tail_slot, tail_lens,
+                head_offset)
         n, hq, d = q.shape
-        hk, bs = pages.shape[1], pages.shape[2]
-        g = hq // hk
         if n == 0:
             return q.new_zeros((0, hq, d), dtype=torch.float32), q.new_zeros((0, hq), dtype=torch.float32)
-        layout = self._layout(bs, hk)
-        to_k, to_v, from_v = self._transforms(layer, hk)
-        qn = q.detach().to(torch.float32).contiguous().numpy()
-        qh = np.ascontiguousarray(qn.reshape(n, hk, g, d).transpose(1, 0, 2, 3)).reshape(1, hk, n * g, d)
-        qr = to_k(qh)[0]
         qsl = query_start_loc.numpy().astype(np.int64)
         q_lens = np.diff(qsl)
         code = code_lens.numpy().astype(np.int64)
+        tail_n = tail_lens.numpy().astype(np.int64) if tail_k is not None else np.zeros_like(code)
+        dense = q_lens >= DENSE_MIN_QUERY
+        if dense.all():
+            out = torch.empty((n, hq, d), dtype=torch.float32)
+            lse = torch.empty((n, hq), dtype=torch.float32)
+        else:
+            out, lse = self._from_codes(layer, head_offset, q, pages, block_table, qsl, np.where(dense, 0, q_lens),
+                                        code, tail_n, scale, tail_k, tail_v, tail_slot)
+        for r in np.flatnonzero(dense):
+            tail = None
+            if tail_n[r]:
+                slot = int(tail_slot[r])
+                tail = (tail_k[slot, :, :tail_n[r]], tail_v[slot, :, :tail_n[r]])
+            k, v = self._decoded(layer, head_offset, pages, block_table[r], int(code[r]), tail)
+            o, s = dense_causal(q[qsl[r]:qsl[r + 1]], k, v, scale)
+            out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = o, s
+        return out, lse
+
+    def _decoded(self, layer: int, head_offset: int, pages: torch.Tensor, block_ids: torch.Tensor, coded: int,
+                 tail: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 K, V ``[kv_heads, coded + tail, d]`` of one request: its coded rows gathered through
+        its block-table row and decoded by the numba kernels, then its exact tail."""
+        hk, d = pages.shape[1], self.spec.head_dim
+        parts_k, parts_v = [], []
+        if coded:
+            layout = self._layout(pages.shape[2], hk)
+            kf, vf = layout.unpack(gather_rows(pages, block_ids, coded))
+            ctx = KernelContext(self.spec, layer, (1, hk, coded, d), constants(self.spec, hk, layer, head_offset))
+            parts_k.append(torch.from_numpy(np.asarray(self.impl.decode_keys(_numpy(kf), ctx)))[0])
+            parts_v.append(torch.from_numpy(np.asarray(self.impl.decode_values(_numpy(vf), ctx)))[0])
+        if tail is not None:
+            parts_k.append(tail[0].to(torch.float32))
+            parts_v.append(tail[1].to(torch.float32))
+        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+
+    def _from_codes(self, layer: int, head_offset: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
+                    qsl: np.ndarray, q_lens: np.ndarray, code: np.ndarray, tail_n: np.ndarray, scale: float,
+                    tail_k: torch.Tensor | None, tail_v: torch.Tensor | None,
+                    tail_slot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes kernels' ``(out [n, q_heads, d], lse [n, q_heads])``; rows of requests whose
+        ``q_lens`` entry is 0 are left zero."""
+        n, hq, d = q.shape
+        hk, bs = pages.shape[1], pages.shape[2]
+        g = hq // hk
+        flat, strides = flat_pages(pages)
+        _, (to_k, to_v, from_v), make_jobs, align = self._setup(layer, head_offset, bs, hk, strides)
+        qn = q.detach().to(torch.float32).contiguous().numpy()
+        qh = np.ascontiguousarray(qn.reshape(n, hk, g, d).transpose(1, 0, 2, 3)).reshape(1, hk, n * g, d)
+        qr = to_k(qh)[0]
         tails = None
-        tail_n = np.zeros_like(code)
         if tail_k is not None:
-            tail_n = tail_lens.numpy().astype(np.int64)
             slot = tail_slot.to(torch.long)
             tk = tail_k.index_select(0, slot).to(torch.float32).contiguous().numpy()
             tv = tail_v.index_select(0, slot).to(torch.float32).contiguous().numpy()
             tails = (np.ascontiguousarray(to_k(tk)), np.ascontiguousarray(to_v(tv)))
-        flat, strides = flat_pages(pages)
-        jobs_fn, align = self._jobs(layout, layer, flat, strides, np.float32(scale))
+        jobs_fn = make_jobs(flat, np.float32(scale))
         table = block_table.numpy().astype(np.int64)
-        out, lse = cpu_paged.run(qr, qsl[:-1] * g, q_lens, code, tail_n, code + tail_n - q_lens, g, table, jobs_fn,
-                                 align, tails, np.float32(scale))
+        out, lse = cpu_paged.run(qr, qsl[:-1] * g, q_lens, code, tail_n, code + tail_n - np.diff(qsl), g, table,
+                                 jobs_fn, align, tails, np.float32(scale))
         out = from_v(out[None])[0]
         out = np.ascontiguousarray(out.reshape(hk, n, g, d).transpose(1, 0, 2, 3)).reshape(n, hq, d)
         lse = np.ascontiguousarray(lse.reshape(hk, n, g).transpose(1, 0, 2)).reshape(n, hq)
         return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out float32 [q_len, q_heads, d], lse float32 [q_len, q_heads])`` of queries ``q [q_len, q_heads, d]``
+    at the last ``q_len`` positions of ``k, v`` float32 ``[kv_heads, T, d]``, each seeing every position
+    up to its own (GQA). Two flash calls merged by log-sum-exp: the earlier ``T - q_len`` positions,
+    seen by every query, and the query's own positions, causal (torch's flash kernel aligns its
+    causal mask top-left, to positions ``T - q_len`` on)."""
+    ql, hq, d = q.shape
+    hk, t = k.shape[0], k.shape[1]
+    qh = q.to(torch.float32).permute(1, 0, 2).unsqueeze(0)  # [1, hq, ql, d]
+    kh = k.repeat_interleave(hq // hk, dim=0).unsqueeze(0)
+    vh = v.repeat_interleave(hq // hk, dim=0).unsqueeze(0)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(qh, kh[:, :, t - ql:], vh[:, :, t - ql:], is_causal=True, scale=scale)
+    if t > ql:
+        before, lse0 = flash(qh, kh[:, :, :t - ql], vh[:, :, :t - ql], scale=scale)
+        top = torch.maximum(lse, lse0)
+        w, w0 = torch.exp(lse - top), torch.exp(lse0 - top)
+        total = w + w0
+        out = (out * w[..., None] + before * w0[..., None]) / total[..., None]
+        lse = top + torch.log(total)
+    return out[0].permute(1, 0, 2), lse[0].permute(1, 0)
+
+
+def _numpy(fields: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {name: f.numpy() for name, f in fields.items()}
 
 
 def _same(x: np.ndarray) -> np.ndarray:

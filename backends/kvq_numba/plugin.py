@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from kvq_core.dispatch.table import register_paged_kernel
+from kvq_core.dispatch.table import register_paged_kernel, register_paged_writer
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.registry import make_spec
@@ -24,7 +24,10 @@ KERNELS: dict[str, str] = {
     "oscar": "kvq_numba.intcodes:OscarNumba",
     "kivi": "kvq_numba.intcodes:KiviNumba",
     "octopus": "kvq_numba.octopus:OctopusNumba",
+    "turboquant": "kvq_numba.turboquant:TurboQuantNumba",
 }
+#: methods whose ``kvq::attend_paged`` the numba kernels serve (kvq_numba.paged); the others take torch's
+PAGED_METHODS = ("oscar", "kivi", "octopus")
 #: methods with CUDA kernels, and the largest head_dim their shared rows hold (gpu_common.MAX_D)
 CUDA_METHODS = ("oscar", "octopus")
 CUDA_MAX_HEAD_DIM = 256
@@ -59,6 +62,13 @@ def supports(spec: MethodSpec, device: str | None) -> tuple[bool, str | None]:
     if spec.method == "octopus" and spec.triplet_bits > MAX_TRIPLET_BITS:
         return False, (f"numba reads a triplet code from 3 bytes: triplet bits (xi+eta+rho) up to {MAX_TRIPLET_BITS}, "
                        f"not {spec.triplet_bits}")
+    if spec.method == "turboquant":
+        if spec.rotation != "hadamard" or spec.high_bits_coords:
+            return False, (f"numba's TurboQuant kernels take the Hadamard rotation and one code field (high_bits_coords=0), "
+                           f"not rotation={spec.rotation!r}, high_bits_coords={spec.high_bits_coords}")
+        if 3 * spec.bits > MAX_TRIPLET_BITS:
+            return False, (f"numba reads three TurboQuant coordinate codes as one from 3 bytes: bits up to "
+                           f"{MAX_TRIPLET_BITS // 3}, not {spec.bits}")
     if kind == "cpu":
         return True, None
     if kind != "cuda":
@@ -83,12 +93,15 @@ def _available() -> tuple[bool, str | None]:
 
 #: ``kvq::attend_paged`` (CPU: the same kernels through the page table; other specs and CUDA: torch's)
 PAGED = "kvq_numba.paged:PagedNumba"
+#: ``kvq::write_paged`` (CPU: the numba encoders, rows written straight into the pages; else torch's)
+PAGED_WRITE = "kvq_numba.paged_write:PagedWriteNumba"
 
 
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
-    for method in KERNELS:
+    for method in PAGED_METHODS:
         register_paged_kernel(NAME, method, PAGED)
+        register_paged_writer(NAME, method, PAGED_WRITE)
     register(BackendInfo(NAME, KERNELS, NumbaArrays(), _available, supports=supports,
                          summary="Numba: @njit CPU kernels; numba.cuda kernels for CUDA input"))
 

@@ -46,8 +46,8 @@ class PagedTorch:
             self._layouts[key] = PageLayout(self.spec, block_size, kv_heads)
         return self._layouts[key]
 
-    def _decoded(self, layer: int, pages: torch.Tensor, block_table: torch.Tensor,
-                 code_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decoded(self, layer: int, pages: torch.Tensor, block_table: torch.Tensor, code_lens: torch.Tensor,
+                 head_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V float32 ``[num_reqs, kv_heads, max_blocks * block_size, d]`` (zero past ``code_lens``) and
         the valid-token mask ``[num_reqs, T]``."""
         nb, hk, bs, rb = pages.shape
@@ -57,9 +57,10 @@ class PagedTorch:
         rows = pages.index_select(0, ids).reshape(nreq, mb, hk, bs, rb).permute(0, 2, 1, 3, 4).reshape(nreq, hk, t, rb)
         kf, vf = self._layout(bs, hk).unpack(rows)
         shape = [nreq, hk, t, self.spec.head_dim]
-        k = torch.ops.kvq.decode(self.backend, self.spec_json, layer, "keys", [kf[n] for n in self.names["keys"]], shape)
+        k = torch.ops.kvq.decode(self.backend, self.spec_json, layer, "keys", [kf[n] for n in self.names["keys"]],
+                                 shape, head_offset)
         v = torch.ops.kvq.decode(self.backend, self.spec_json, layer, "values",
-                                 [vf[n] for n in self.names["values"]], shape)
+                                 [vf[n] for n in self.names["values"]], shape, head_offset)
         valid = torch.arange(t, device=pages.device)[None, :] < code_lens.long()[:, None]
         keep = valid[:, None, :, None]
         return torch.where(keep, k, 0.0), torch.where(keep, v, 0.0), valid
@@ -67,14 +68,14 @@ class PagedTorch:
     def attend_paged(self, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                      code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                      tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
-                     tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tail_lens: torch.Tensor | None, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         n, hq, d = q.shape
         hk = pages.shape[1]
         g = hq // hk
         code = code_lens.long()
         tails = tail_lens.long() if tail_lens is not None else torch.zeros_like(code)
         req, pos = query_positions(query_start_loc, code, tails, n)
-        k, v, valid = self._decoded(layer, pages, block_table, code)
+        k, v, valid = self._decoded(layer, pages, block_table, code, head_offset)
         t = k.shape[2]
         mt = tail_k.shape[2] if tail_k is not None else 0
         if tail_k is not None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvq_core.dispatch.calls import op_backend
-from kvq_core.dispatch.table import register_paged_kernel
+from kvq_core.dispatch.table import register_paged_kernel, register_paged_writer
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo, Deferred
 
@@ -52,6 +52,8 @@ EAGER, COMPILED = "torch", "torch-compiled"
 
 #: ``kvq::attend_paged`` for every method: decode the pages, masked softmax (the fallback of every backend)
 PAGED = "kvq_torch.paged:PagedTorch"
+#: ``kvq::write_paged`` for every method: encode, pack, scatter (the reference, and every backend's fallback)
+PAGED_WRITE = "kvq_torch.paged_write:PagedWriteTorch"
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,6 +88,7 @@ def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
     arrays = ARRAYS
     for method in KERNELS:
         register_paged_kernel(EAGER, method, PAGED)
+        register_paged_writer(EAGER, method, PAGED_WRITE)
     register(BackendInfo(EAGER, op_backend(EAGER, KERNELS), arrays,
                          summary=f"PyTorch {_torch_version()} eager: kvq:: custom ops (CPU/CUDA; compile/export friendly)",
                          kernel_entry=_eager_entry))
@@ -97,8 +100,9 @@ def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
 
 def _eager_entry(method: str, ref: object) -> object:
     """A plugin's TorchMethod subclass (or its reference) for ``method``, served through the kvq:: ops
-    (``kvq::attend_paged`` too, by the decoding fallback)."""
+    (``kvq::attend_paged`` too, by the decoding fallback, and ``kvq::write_paged``)."""
     register_paged_kernel(EAGER, method, PAGED)
+    register_paged_writer(EAGER, method, PAGED_WRITE)
     return op_backend(EAGER, {method: ref})[method]
 
 

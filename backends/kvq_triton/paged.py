@@ -227,10 +227,11 @@ class PagedTriton:
     def attend_paged(self, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                      code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                      tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
-                     tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     tail_lens: torch.Tensor | None, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.fast or pages.stride(3) != 1:
             return paged_kernel(PAGED_FALLBACK, self.spec_json).attend_paged(
-                layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v, tail_slot, tail_lens)
+                layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v, tail_slot, tail_lens,
+                head_offset)
         spec = self.spec
         n, hq, d = q.shape
         nb, hk, bs, _ = pages.shape
@@ -239,7 +240,7 @@ class PagedTriton:
             return q.new_zeros((0, hq, d), dtype=torch.float32), q.new_zeros((0, hq), dtype=torch.float32)
         dev = q.device
         layout = self._layout(bs, hk)
-        consts = consts_for(self.spec_json, hk, layer, dev)
+        consts = consts_for(self.spec_json, hk, layer, dev, head_offset)
         to_codes, from_values = self._transforms(consts, hk)
         # rotate with the query heads as kv heads' groups: [n, hq, 1, d] -> [1, hq, n, d]
         qr = to_codes(q.to(torch.float32).permute(1, 0, 2).unsqueeze(0)).squeeze(0).permute(1, 0, 2).contiguous()

@@ -7,10 +7,8 @@ window; kvq OCTOPUS b=3 with the sliding flush, stride 1 and stride 32; transfor
 
 1. the prompt is prefilled through the cache (``prefill_s``, not part of the decode rate; for
    kvq caches it includes encoding the prompt, and the first encode call of a run may load or
-   compile Numba kernels). The prefill attends with ``"sdpa"`` under every cache: a kvq cache's
-   prefill attends its whole window exactly anyway, and the ``"kvq"`` function would do the same
-   with the full float32 logits materialised (about 5x slower than sdpa at 2k tokens, about
-   10 GB at 8k);
+   compile Numba kernels). The prefill attends with the implementation the decode steps use
+   (``"kvq"`` for kvq caches), which hands a step whose K/V are all exact to sdpa;
 2. two untimed greedy steps (the first one's time is ``first_step_s``: the first attend from
    codes happens there; the second is a sliding stride's first decode of a block encoded ahead);
 3. ``--repeats`` timed segments of ``--new`` greedy steps, run round-robin over the
@@ -24,8 +22,10 @@ window; kvq OCTOPUS b=3 with the sliding flush, stride 1 and stride 32; transfor
    - ``cache``: the rest of ``cache.update`` (window bookkeeping, concatenation, block joins,
      decoding: kvq's ``decode_*`` of a block encoded ahead, quanto's ``_dequantize`` of the history);
    - ``attention``: the attention function (kvq's ``"kvq"`` function for kvq caches, transformers'
-     ``"sdpa"`` otherwise); ``codes`` is the part of it spent in ``Quantizer.attend`` over the
-     packed blocks, the remainder is the exact window, the log-sum-exp merge and glue;
+     ``"sdpa"`` otherwise); ``codes`` is the part of it spent in ``Quantizer.attend_window``
+     (the packed blocks and the exact window in one call, where the backend fuses them) or
+     ``Quantizer.attend`` over the packed blocks; the remainder is glue (and, unfused, the
+     exact window and the log-sum-exp merge);
    - ``other``: everything else (projections, MLP, norms, logits, Python).
 
    The instrumentation wraps those functions only for this segment, so it does not slow the
@@ -72,6 +72,7 @@ DEFAULT_CONFIGS = (
     "oscar:bits=2,label=oscar-int2",
     "octopus:bits=3,label=octopus-b3",
     "octopus:bits=3,stride=32,label=octopus-b3-stride32",
+    "turboquant:bits=3,label=turboquant-b3",
     "quanto:nbits=4,label=quanto-int4",
 )
 PROMPTS = (2048, 8192)
@@ -161,7 +162,8 @@ def instrument(cache: Any, impl: str) -> Iterator[StepProfile]:
         prof.wrap_attention(impl, "attention")
         for layer in cache.layers:
             if isinstance(layer, KVQLayer) and layer.kq is not None:
-                for name, key in (("encode_keys", "encode"), ("decode_keys", "decode"), ("attend", "codes")):
+                for name, key in (("encode_keys", "encode"), ("decode_keys", "decode"), ("attend", "codes"),
+                                  ("attend_window", "codes")):
                     prof.wrap(layer.kq, name, key)
                 for name, key in (("encode_values", "encode"), ("decode_values", "decode")):
                     prof.wrap(layer.vq, name, key)
@@ -205,14 +207,10 @@ def start(run: Run, model: Any, ids: Any) -> None:
     try:
         model.set_attn_implementation(attn_impl(cfg))  # what the cache's decode steps attend with
         run.cache = build_cache(cfg, model.config, attention="codes" if cfg.kind in KVQ_KINDS else "auto")
-        model.set_attn_implementation("sdpa")  # the prefill attends exactly under every cache (module doc)
         with torch.no_grad():
             t0 = time.perf_counter()
             logits = model(ids, cache=run.cache, use_cache=True, logits_to_keep=1).logits
             run.row["prefill_s"] = time.perf_counter() - t0
-            for layer in getattr(run.cache, "kvq_layers", []):
-                layer.mark_attended()  # the prompt's K/V went to sdpa, not to the "kvq" function
-            model.set_attn_implementation(attn_impl(cfg))
             run.tok = logits[:, -1].argmax(-1, keepdim=True)
             run.tokens.append(int(run.tok))
             for i in range(WARMUP_STEPS):
@@ -365,7 +363,7 @@ def render_md(res: dict[str, Any]) -> str:
              f"tokens/s: median of {a['repeats']} segment(s) of {a['new']} steps, run round-robin over the caches; "
              f"ratio: to DynamicCache on the same prompt in this run. Per-step ms by part (disjoint, summing to the "
              f"step): one instrumented segment of {a['profile_steps']} steps; *codes* is the share of attention spent "
-             "in `Quantizer.attend`, *decode* the codec decode inside cache or attention. Same tokens: greedy tokens "
+             "in `Quantizer.attend_window` (blocks and exact window in one call) or `Quantizer.attend`, *decode* the codec decode inside cache or attention. Same tokens: greedy tokens "
              "equal to DynamicCache's, position by position (first difference in brackets)."
              + (f" *Contended*: median of {a['contended_repeats']} segment(s) at the default thread settings "
                 f"(torch {m['default_threads']['torch']}, Numba {m['default_threads']['numba']} thread(s)) while a "

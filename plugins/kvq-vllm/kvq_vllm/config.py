@@ -33,22 +33,15 @@ class CodecConfig:
         return registry.make_spec(self.method, head_dim=head_dim, **dict(self.params))
 
     def attend_backend(self, device: Any) -> str:
-        """The kvq backend of ``kvq::attend_paged`` on ``device`` ("auto": numba on CPU, triton on CUDA,
-        when installed and working; else torch, the reference)."""
+        """The kvq backend of ``kvq::attend_paged`` and ``kvq::write_paged`` on ``device`` ("auto": numba
+        on CPU, triton on CUDA, when installed and working; else torch, the reference; a backend
+        without its own kernel for the method runs torch's)."""
         if self.backend != "auto":
             return self.backend
         preferred = {"cpu": "numba", "cuda": "triton"}.get(str(torch_device_type(device)))
         if preferred and registry.backend_status(preferred)[0]:
             return preferred
         return "torch"
-
-    def encode_backend(self, device: Any) -> str:
-        """The kvq backend of ``kvq::encode``: the attend backend when it has ``kvq::`` op entries
-        for the method, else torch."""
-        from kvq_core.dispatch.table import methods
-
-        backend = self.attend_backend(device)
-        return backend if self.method in methods(backend) else "torch"
 
     def describe(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params)
@@ -111,3 +104,18 @@ def from_vllm(additional_config: Any) -> CodecConfig | None:
     if os.environ.get(ENV):
         return parse(os.environ[ENV], f"${ENV}")
     return None
+
+
+def tp_head_offset(tp_rank: int, tp_size: int, total_kv_heads: int) -> int:
+    """The global index of tensor-parallel rank ``tp_rank``'s first kv head, as vLLM shards them: each
+    rank holds ``total_kv_heads // tp_size`` heads, or, with fewer heads than ranks, every head is
+    replicated on ``tp_size // total_kv_heads`` consecutive ranks (``QKVParallelLinear``)."""
+    for name, value, low in (("tp_size", tp_size, 1), ("total_kv_heads", total_kv_heads, 1)):
+        if value < low:
+            raise SpecError("kvq-vllm", name, value, f"an integer >= {low}")
+    if not 0 <= tp_rank < tp_size:
+        raise SpecError("kvq-vllm", "tp_rank", tp_rank, f"a rank in [0, {tp_size})")
+    if total_kv_heads % tp_size and tp_size % total_kv_heads:
+        raise SpecError("kvq-vllm", "tensor_parallel_size", tp_size,
+                        f"a divisor or a multiple of the model's {total_kv_heads} kv heads")
+    return tp_rank * total_kv_heads // tp_size

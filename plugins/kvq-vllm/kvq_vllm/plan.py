@@ -68,8 +68,8 @@ class GroupPlan:
     - ``stage_slot``, ``stage_pos``, ``stage_src`` int64: step token ``stage_src`` goes to staging
       slot ``stage_slot`` at offset ``stage_pos`` (every token of a group that has a slot);
     - ``groups``: how many groups complete this step; their ``groups * G`` rows are assembled
-      (row ``at`` from staging ``(from_slot, from_pos)`` or from step token ``step_src``), encoded
-      together and written at page ``(write_block, write_offset)``.
+      (row ``at`` from staging ``(from_slot, from_pos)`` or from step token ``step_src``) and written
+      by ``kvq::write_paged`` at slots ``write_slot`` (``block * block_size + offset``), group by group.
     """
 
     code_lens: torch.Tensor
@@ -84,8 +84,7 @@ class GroupPlan:
     from_pos: torch.Tensor
     step_at: torch.Tensor
     step_src: torch.Tensor
-    write_block: torch.Tensor
-    write_offset: torch.Tensor
+    write_slot: torch.Tensor
 
 
 def plan_step(pool: StagingPool, group: int, block_size: int, query_start_loc: np.ndarray, seq_lens: np.ndarray,
@@ -97,7 +96,7 @@ def plan_step(pool: StagingPool, group: int, block_size: int, query_start_loc: n
     g = group
     lists: dict[str, list[np.ndarray]] = {k: [] for k in (
         "stage_slot", "stage_pos", "stage_src", "from_at", "from_slot", "from_pos", "step_at", "step_src",
-        "write_block", "write_offset")}
+        "write_slot")}
     reqs = len(seq_lens)
     code_lens = np.zeros(reqs, np.int32)
     tail_lens = np.zeros(reqs, np.int32)
@@ -137,7 +136,7 @@ def plan_step(pool: StagingPool, group: int, block_size: int, query_start_loc: n
                     add("from_at", at + old - gs, old), add("from_slot", slot, old), add("from_pos", old - gs, old)
                 add("step_at", at + new - gs, new), add("step_src", src, new)
                 pos = np.arange(gs, gs + g)
-                add("write_block", block_table[r, pos // block_size], pos), add("write_offset", pos % block_size, pos)
+                add("write_slot", block_table[r, pos // block_size] * block_size + pos % block_size, pos)
                 groups += 1
             else:
                 tail_slot[r], tail_lens[r] = slot, end - coded
@@ -158,11 +157,12 @@ def stage_tokens(plan: GroupPlan, tail: torch.Tensor, x: torch.Tensor) -> None:
     tail[plan.stage_slot, :, plan.stage_pos] = x[plan.stage_src].to(tail.dtype)
 
 
-def group_blocks(plan: GroupPlan, tail: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The exact rows of every group completing this step, ``[groups, kv_heads, G, d]``, from the
-    staging ``tail`` (tokens of earlier steps) and ``x`` (this step's)."""
+def group_rows(plan: GroupPlan, tail: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The exact tokens of every group completing this step, group after group, ``[groups * G,
+    kv_heads, d]`` (the tokens of ``kvq::write_paged``), from the staging ``tail`` (tokens of earlier
+    steps) and ``x`` (this step's)."""
     g, heads, d = tail.shape[2], tail.shape[1], tail.shape[3]
     rows = x.new_empty(plan.groups * g, heads, d)
     rows[plan.from_at] = tail[plan.from_slot, :, plan.from_pos].to(x.dtype)
     rows[plan.step_at] = x[plan.step_src]
-    return rows.view(plan.groups, g, heads, d).permute(0, 2, 1, 3)
+    return rows

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvq_core.errors import KVQError
-from kvq_vllm.plan import StagingPool, group_blocks, plan_step, stage_tokens
+from kvq_vllm.plan import StagingPool, group_rows, plan_step, stage_tokens
 
 G, BS, HEADS, D, BLOCKS = 4, 8, 2, 3, 16
 
@@ -47,8 +47,8 @@ class Engine:
         keys = torch.stack(x)
         stage_tokens(plan, self.tail, keys)
         if plan.groups:
-            blocks = group_blocks(plan, self.tail, keys)
-            self.pages[plan.write_block, :, plan.write_offset] = blocks.permute(0, 2, 1, 3).reshape(-1, HEADS, D)
+            slots = plan.write_slot
+            self.pages[slots // BS, :, slots % BS] = group_rows(plan, self.tail, keys)
         for r, (req, blocks, _, end, _) in enumerate(batch):
             coded, tail = int(plan.code_lens[r]), int(plan.tail_lens[r])
             assert coded == end // G * G and coded + tail == end

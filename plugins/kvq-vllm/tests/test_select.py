@@ -67,7 +67,7 @@ def test_forward_and_cache_update_read_no_tensor_on_the_host() -> None:
     from kvq_vllm import plan
     from kvq_vllm.backend import KVQAttentionImpl
 
-    for fn in (KVQAttentionImpl.forward, KVQAttentionImpl.do_kv_cache_update, plan.stage_tokens, plan.group_blocks):
+    for fn in (KVQAttentionImpl.forward, KVQAttentionImpl.do_kv_cache_update, plan.stage_tokens, plan.group_rows):
         body = inspect.getsource(fn)
         for sync in (".item(", ".tolist(", ".cpu(", ".numpy(", "bool(", "int(", "float("):
             assert sync not in body, (fn.__qualname__, sync)

@@ -161,7 +161,6 @@ def test_fp16_equals_stock_under_chunking_preemption_prefix_cache_and_speculatio
 # + 8 (a 32-token group's fp16 scale and offset rows striped over its rows) + 2 (the fp32 token norm striped
 # over 3 heads) for K, 16 + 4 (per-token fp16 scale and offset of two 32-channel groups) for V; KIVI b=2
 # likewise without the norm.
-GROUP_CODECS = ("oscar", "kivi")  # key statistics per 32-token group: the open group is kept exactly
 ROW_BYTES = {"octopus": 2 * (28 + 4), "oscar": 16 + 8 + 2 + 16 + 8, "kivi": 16 + 8 + 16 + 8}
 
 
@@ -179,13 +178,12 @@ def test_quantized_capacity_and_text(stock: dict, quantized: tuple[str, dict]) -
         assert abs(ratio - expected) < 0.03 * expected
     assert r["repeats"][0]["num_cached_tokens"] > 0  # the repeat hit the prefix cache ...
     repeat, first = ids(r, "repeats")[0], ids(r)[LONG]
-    if method in GROUP_CODECS:
-        # OScaR/KIVI attend finished groups from codes and the open group exactly, so a token's output
-        # depends on where its prompt's chunks (or the cached prefix) ended: the repeat starts alike
-        # and stays close, not identical (plugins/kvq-vllm/README.md)
-        assert repeat[0] == first[0] and edit_distance(repeat, first) / TOKENS <= MAX_EDIT, (repeat, first)
-    else:
-        assert repeat == first  # ... and per-token packed pages reproduce the request exactly
+    # ... and starts alike and stays close, not bit-identical: a prompt chunk of many query tokens attends
+    # over its decoded context (flash), the repeat's short uncached tail from the codes, which agree to
+    # float rounding (tests/test_paged.py), enough to flip a near-tie; OScaR/KIVI besides attend finished
+    # groups from codes and the open group exactly, so a token's output depends on where its prompt's
+    # chunks (or the cached prefix) ended (plugins/kvq-vllm/README.md)
+    assert repeat[0] == first[0] and edit_distance(repeat, first) / TOKENS <= MAX_EDIT, (repeat, first)
     distances = [edit_distance(a, b) / TOKENS for a, b in zip(ids(r), ids(stock))]
     print(f"{method}: token edit distance to stock per prompt {distances}; texts {[o['text'] for o in r['outputs']]}")
     assert sum(distances) / len(distances) <= MAX_EDIT

@@ -1,0 +1,142 @@
+"""The vLLM plugin's cache write per layer and step on the CPU: ``kvq::write_paged`` on numba (one
+call: the numba encoders, the row bytes written straight into the pages) against the write it
+replaces (``kvq::encode`` of K and V through the plugin's numba adapter as field tensors,
+``PageLayout.pack``, an index scatter by the slots) and the torch backend's ``kvq::write_paged`` (the reference).
+
+    python bench/paged_write.py [--repeats 7] [--out bench/results/paged_write.md]
+
+Shape: SmolLM2-135M (3 KV heads, head_dim 64), token-major pages of 32 tokens, float32 K/V.
+Per-token codecs (OCTOPUS): a decode step of 8 tokens and a 512-token prefill chunk; token-group
+codecs (OScaR, KIVI; the staging copies are the same either way and not timed): one 32-token group
+completing, and a 512-token chunk (16 groups). Each repeat times every path in turn over many
+calls; figures are medians over the repeats, microseconds per call of the process's CPU time (on
+the shared 2-core machine wall time mostly measures the other processes) and of wall time. Prints
+the CPU capability and ``uptime`` with the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import kvq_core
+import kvq_core.dispatch.ops  # noqa: F401
+from kvq_core import registry
+from kvq_core.constants import constants
+from kvq_core.dispatch.table import register_kernel
+from kvq_core.dispatch.torch_kernels import TorchMethod, field_names
+from kvq_core.kernels import KernelContext
+from kvq_core.paged import PageLayout, step_blocks
+
+HK, D, PAGE, BLOCKS, LAYER = 3, 64, 32, 256, 7
+CODECS = [("octopus", {"bits": 3}, (8, 512)), ("oscar", {"bits": 2}, (32, 512)), ("kivi", {"bits": 2}, (32, 512))]
+
+
+class _BeforeEncode(TorchMethod):
+    """The plugin's encode adapter before ``kvq::write_paged`` (``kvq_vllm/numba_encode.py``): a
+    ``kvq::encode`` table entry running the numba kernels on NumPy views, fields back as tensors."""
+
+    def __init__(self, spec) -> None:  # noqa: ANN001
+        super().__init__(spec)
+        self.kernels = registry.kernel_factory("numba", spec.method)(spec)
+
+    def _run(self, encode, x: torch.Tensor, ctx) -> dict:  # noqa: ANN001
+        arr = x.detach().to(torch.float32).numpy()
+        shape = tuple(int(s) for s in x.shape)
+        fields = encode(arr, KernelContext(self.spec, ctx.layer, shape, constants(self.spec, shape[1], ctx.layer)))
+        return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in fields.items()}
+
+    def encode_keys(self, k: torch.Tensor, ctx) -> dict:  # noqa: ANN001
+        return self._run(self.kernels.encode_keys, k, ctx)
+
+    def encode_values(self, v: torch.Tensor, ctx) -> dict:  # noqa: ANN001
+        return self._run(self.kernels.encode_values, v, ctx)
+
+
+BEFORE = "numba-before"
+
+
+def before(spec, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor):  # noqa: ANN001
+    """The plugin's write before ``kvq::write_paged``: ``kvq::encode`` of K and V (the adapter above),
+    ``PageLayout.pack``, an index scatter (padding clamped into block 0)."""
+    layout = PageLayout(spec, PAGE, HK)
+    register_kernel(BEFORE, spec.method, _BeforeEncode)
+    names = {kind: field_names(spec, kind) for kind in ("keys", "values")}
+    spec_json = spec.to_json()
+
+    def encode(kind: str, x: torch.Tensor) -> dict:
+        return dict(zip(names[kind], torch.ops.kvq.encode(BEFORE, spec_json, LAYER, kind, x)))
+
+    def run() -> None:
+        k, v = step_blocks(key, layout.group), step_blocks(value, layout.group)
+        rows = layout.pack(encode("keys", k), encode("values", v))
+        at = slots.to(torch.long).clamp(min=0)
+        pages[at // PAGE, :, at % PAGE] = rows.permute(0, 2, 1, 3).reshape(-1, HK, layout.row_bytes)
+    return run
+
+
+def per_call_us(fn, calls: int) -> tuple[float, float]:  # noqa: ANN001
+    """(CPU, wall) microseconds per call over ``calls`` calls."""
+    c, t = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.process_time() - c) / calls * 1e6, (time.perf_counter() - t) / calls * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default="bench/results/paged_write.md")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    lines = [f"cpu capability {torch.backends.cpu.get_cpu_capability()}, torch threads 1; uptime: {uptime}", "",
+             "CPU us per call (wall us in brackets)", "",
+             "| codec | tokens | before | write_paged numba | write_paged torch | before / numba (CPU) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    print(lines[0])
+    rng = np.random.default_rng(0)
+    for method, params, sizes in CODECS:
+        spec = kvq_core.make_spec(method, head_dim=D, **params)
+        layout = PageLayout(spec, PAGE, HK)
+        pages = torch.zeros(BLOCKS, PAGE, HK, layout.row_bytes, dtype=torch.uint8).permute(0, 2, 1, 3)
+        for n in sizes:
+            # a decode step: tokens of different requests at scattered slots; a group or a chunk: consecutive slots
+            if layout.group == 1 and n < PAGE:
+                slots = torch.from_numpy(rng.permutation(BLOCKS * PAGE)[:n])
+            else:
+                slots = torch.arange(n) + PAGE * int(rng.integers(1, BLOCKS - n // PAGE - 1))
+            qkv = torch.randn(n, 3 * HK * D)  # K and V are views of the model's qkv output, as in vLLM
+            key, value = qkv[:, HK * D:2 * HK * D].view(n, HK, D), qkv[:, 2 * HK * D:].view(n, HK, D)
+            paths = {
+                "before": before(spec, key, value, pages, slots),
+                "numba": lambda: torch.ops.kvq.write_paged("numba", spec.to_json(), LAYER, key, value, pages, slots),
+                "torch": lambda: torch.ops.kvq.write_paged("torch", spec.to_json(), LAYER, key, value, pages, slots),
+            }
+            calls = 400 if n < 64 else 40
+            for fn in paths.values():
+                per_call_us(fn, 3)  # compile / warm up
+            times = {name: [] for name in paths}
+            for _ in range(args.repeats):
+                for name, fn in paths.items():
+                    times[name].append(per_call_us(fn, calls))
+            cpu = {name: statistics.median(c for c, _ in t) for name, t in times.items()}
+            wall = {name: statistics.median(w for _, w in t) for name, t in times.items()}
+            ratio = statistics.median(b[0] / f[0] for b, f in zip(times["before"], times["numba"]))
+            cell = {name: f"{cpu[name]:.1f} ({wall[name]:.0f})" for name in paths}
+            line = (f"| {method}-{params['bits']} | {n} | {cell['before']} | {cell['numba']} | {cell['torch']} | "
+                    f"{ratio:.2f}x |")
+            lines.append(line)
+            print(line, flush=True)
+    lines.append("")
+    lines.append(f"uptime after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""``Quantizer.attend_window``: packed blocks and an exact window in one kernel call (numba, CPU).
+
+Checked against softmax attention in float64 over the NumPy reference's decoded blocks followed
+by the window, causal among the queries (the last ``q_len`` window tokens), with GQA, batch 2,
+several blocks of uneven lengths, and a multi-token query.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from kvq_core import get_quantizer  # noqa: E402
+from kvq_core.errors import BackendUnavailableError, InputError  # noqa: E402
+
+CASES = [("oscar", {"bits": 2}), ("oscar", {"bits": 4, "token_scaling": False}), ("kivi", {"bits": 2}),
+         ("octopus", {"bits": 3}), ("octopus", {"bits": 2, "values": "fp16"}), ("turboquant", {"bits": 3})]
+
+
+def _reference(ref, q, blocks, wk, wv, scale):
+    """(out, lse) float64: exact softmax over the decoded blocks then the window, causal in the window."""
+    keys = [np.asarray(ref.decode_keys(pk), np.float64) for pk, _ in blocks] + [wk.astype(np.float64)]
+    vals = [np.asarray(ref.decode_values(pv), np.float64) for _, pv in blocks] + [wv.astype(np.float64)]
+    k, v = np.concatenate(keys, axis=2), np.concatenate(vals, axis=2)
+    g = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    z = np.einsum("bhqd,bhtd->bhqt", q.astype(np.float64), k) * scale
+    n, lq = k.shape[2], q.shape[2]
+    z[..., np.arange(n)[None, :] > (np.arange(lq)[:, None] + n - lq)] = -np.inf
+    top = z.max(axis=-1, keepdims=True)
+    p = np.exp(z - top)
+    s = p.sum(axis=-1, keepdims=True)
+    return np.einsum("bhqt,bhtd->bhqd", p / s, v), (top + np.log(s))[..., 0]
+
+
+@pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{'-'.join(map(str, p.values()))}" for m, p in CASES])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_attend_window_equals_attention_over_decoded_blocks_and_window(method, params, q_len):
+    rng = np.random.default_rng(q_len)
+    fused = get_quantizer(method, "numba", head_dim=64, **params)
+    ref = get_quantizer(method, "numpy", head_dim=64, **params)
+    b, hk, g, d, w = 2, 3, 3, 64, 12
+    blocks = []
+    for t in (160, 64, 33):
+        k = rng.standard_normal((b, hk, t, d), dtype=np.float32)
+        v = rng.standard_normal((b, hk, t, d), dtype=np.float32)
+        blocks.append((fused.encode_keys(k), fused.encode_values(v)))
+    wk = rng.standard_normal((b, hk, w, d), dtype=np.float32)
+    wv = rng.standard_normal((b, hk, w, d), dtype=np.float32)
+    q = rng.standard_normal((b, hk * g, q_len, d), dtype=np.float32)
+    assert fused.fuses_window(q)
+    out, lse = fused.attend_window(q, blocks, wk, wv, scale=0.2)
+    want, want_lse = _reference(ref, q, blocks, wk, wv, 0.2)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    np.testing.assert_allclose(out, want, atol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5)
+
+
+def test_attend_window_checks_its_inputs():
+    quant = get_quantizer("oscar", "numba", head_dim=64, bits=2)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 2, 40, 64), dtype=np.float32)
+    blocks = [(quant.encode_keys(k), quant.encode_values(k))]
+    q = rng.standard_normal((1, 4, 3, 64), dtype=np.float32)
+    with pytest.raises(InputError, match="w >= q_len"):
+        quant.attend_window(q, blocks, k[:, :, :2], k[:, :, :2])  # a window shorter than the queries
+    with pytest.raises(InputError, match="w >= q_len"):
+        quant.attend_window(q, blocks, k[:, :1, :8], k[:, :1, :8])  # other kv heads than the blocks
+    numpy_quant = get_quantizer("oscar", "numpy", head_dim=64, bits=2)
+    assert not numpy_quant.fuses_window(q)
+    with pytest.raises(BackendUnavailableError, match="no fused window kernel"):
+        numpy_quant.attend_window(q, [], k[:, :, :8], k[:, :, :8])
