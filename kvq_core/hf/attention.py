@@ -176,10 +176,10 @@ def kvq_attention(
             raise KVQError("kvq attention from codes supports plain softmax attention only (no softcap, no sinks)")
         if dropout and module.training:
             raise KVQError("kvq attention from codes is for inference; got dropout in training mode")
-        if not ctx.blocks and not ctx.history and ctx.flushed is None:
-            return _sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)  # all exact: a prefill
         if not bool(torch.isfinite(query).all()):
             raise InputError(f"kvq attention, layer {ctx.layer.layer_idx}: the query contains NaN or Inf")
+        if not ctx.blocks and not ctx.history and ctx.flushed is None:
+            return _sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)  # all exact: a prefill
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         out = attend_codes(query, key, value, ctx, attention_mask, scale)
     except Exception:
@@ -190,9 +190,13 @@ def kvq_attention(
 
 def _sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention (torch's fused kernels: no logits materialised)."""
+    """transformers' sdpa attention (torch's fused kernels: no logits materialised). GQA comes from
+    the shapes, as everywhere in kvq: a module without ``num_key_value_groups`` gets K/V repeated here."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and getattr(module, "num_key_value_groups", 1) != groups:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
