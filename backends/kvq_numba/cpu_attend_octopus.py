@@ -45,29 +45,24 @@ def _floats(buf, addr, n, scratch, out) -> None:
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def octopus_jobs(q, jobs, first, row_lo, g, table, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
+def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
                  scale, pm, pl, pacc) -> None:
     """The CODES jobs of a plan (:func:`kvq_numba.cpu_paged.plan`): partial softmax state of rotated
     queries ``q`` [kv_heads, rows, d] over OCTOPUS codes, causal per row, fields read through
     ``table`` and ``desc`` (one row per buffer: key codes, key norm, value codes, value norm,
     float16 values). Values: ``gamma * v_hat`` (rotated domain) or, when ``values_fp16``, the
-    float16 rows (original domain)."""
+    float16 rows (original domain). The jobs run as ``chunks`` interleaved chunks, each allocating its
+    scratch once (:func:`kvq_numba.cpu_attend_planes.planes_jobs`)."""
     nhk, nrow, d = q.shape
     krb = desc[F_KC, WIDTH]
     vrb = desc[F_VC, WIDTH]
-    for job in prange(jobs.shape[0]):
-        if jobs[job, J_KIND] != CODES:
-            continue
-        req, h, row0, nrt = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+    nch = max(1, min(chunks, jobs.shape[0]))
+    for ch in prange(nch):
         lim = np.empty(ROWS, np.int64)
-        row_limits(jobs, job, first, row_lo, g, lim)
-        qf = np.zeros(ROWS * d, np.float32)
-        for r in range(nrt):
-            for c in range(d):
-                qf[r * d + c] = q[h, row0 + r, c]
-        m = np.full(ROWS, -np.inf, np.float32)
-        l = np.zeros(ROWS, np.float32)
-        acc = np.zeros(ROWS * d, np.float32)
+        qf = np.empty(ROWS * d, np.float32)
+        m = np.empty(ROWS, np.float32)
+        l = np.empty(ROWS, np.float32)
+        acc = np.empty(ROWS * d, np.float32)
         no_vbias = np.zeros((ROWS, 0), np.float32)
         kbuf = np.empty((BLOCK, d), np.float32)
         vbuf = np.empty((BLOCK, d), np.float32)
@@ -82,33 +77,45 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, kc, kn, vc, vn, vh, desc, val
         nb4 = np.empty(4, np.uint8)
         kflat = kbuf.reshape(BLOCK * d)
         vflat = vbuf.reshape(BLOCK * d)
-        for t0 in range(jobs[job, J_T0], jobs[job, J_T1], BLOCK):
-            n = min(BLOCK, jobs[job, J_T1] - t0)
-            token_rows(table, req, h, t0, n, desc[F_KC], ka)
-            token_rows(table, req, h, t0, n, desc[F_KN], na)
-            _floats(kn, na, n, nb4, tok)
-            for i in range(n):
-                tok[i] *= scale
-            decode_rows_at(kc, ka, n, krb, bits, code_table, kbuf)
-            logits(qf, kflat, d, n, tok, p)
-            mask_block(p, n, t0, lim)
-            online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
-            if values_fp16:
-                token_rows(table, req, h, t0, n, desc[F_VH], va)
+        for job in range(ch, jobs.shape[0], nch):
+            if jobs[job, J_KIND] != CODES:
+                continue
+            req, h, row0, nrt = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+            row_limits(jobs, job, first, row_lo, g, lim)
+            qf[:] = 0
+            m[:] = -np.inf
+            l[:] = 0
+            acc[:] = 0
+            for r in range(nrt):
+                for c in range(d):
+                    qf[r * d + c] = q[h, row0 + r, c]
+            for t0 in range(jobs[job, J_T0], jobs[job, J_T1], BLOCK):
+                n = min(BLOCK, jobs[job, J_T1] - t0)
+                token_rows(table, req, h, t0, n, desc[F_KC], ka)
+                token_rows(table, req, h, t0, n, desc[F_KN], na)
+                _floats(kn, na, n, nb4, tok)
                 for i in range(n):
-                    for c in range(d):
-                        vflat[i * d + c] = half_to_float(half_at(vh, va[i] + 2 * c))
-                    vgam[i] = 1
-            else:
-                token_rows(table, req, h, t0, n, desc[F_VC], va)
-                token_rows(table, req, h, t0, n, desc[F_VN], na)
-                _floats(vn, na, n, nb4, vgam)
-                decode_rows_at(vc, va, n, vrb, bits, code_table, vbuf)
-            for r in range(ROWS):
-                for i in range(n):
-                    pw[r * BLOCK + i] = p[r, i] * vgam[i]
-            weighted_rows(pw, BLOCK, vflat, d, n, acc)
-        store_partial(job, m, l, acc, pm, pl, pacc)
+                    tok[i] *= scale
+                decode_rows_at(kc, ka, n, krb, bits, code_table, kbuf)
+                logits(qf, kflat, d, n, tok, p)
+                mask_block(p, n, t0, lim)
+                online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
+                if values_fp16:
+                    token_rows(table, req, h, t0, n, desc[F_VH], va)
+                    for i in range(n):
+                        for c in range(d):
+                            vflat[i * d + c] = half_to_float(half_at(vh, va[i] + 2 * c))
+                        vgam[i] = 1
+                else:
+                    token_rows(table, req, h, t0, n, desc[F_VC], va)
+                    token_rows(table, req, h, t0, n, desc[F_VN], na)
+                    _floats(vn, na, n, nb4, vgam)
+                    decode_rows_at(vc, va, n, vrb, bits, code_table, vbuf)
+                for r in range(ROWS):
+                    for i in range(n):
+                        pw[r * BLOCK + i] = p[r, i] * vgam[i]
+                weighted_rows(pw, BLOCK, vflat, d, n, acc)
+            store_partial(job, m, l, acc, pm, pl, pacc)
 
 
 def contiguous_jobs(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
@@ -129,8 +136,8 @@ def contiguous_jobs(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, ta
     bufs = [_bytes(a) for a in (kcodes, kgamma, vcodes, vgamma, vhalf)]
     scale = np.float32(scale)
 
-    def jobs_fn(qh, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
-        octopus_jobs(qh, jobs, first, row_lo, g, tab, *bufs, desc, values_fp16, bits, table, scale, pm, pl, pacc)
+    def jobs_fn(qh, jobs, first, row_lo, g, tab, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
+        octopus_jobs(qh, jobs, first, row_lo, g, tab, chunks, *bufs, desc, values_fp16, bits, table, scale, pm, pl, pacc)
     return jobs_fn, BLOCK
 
 

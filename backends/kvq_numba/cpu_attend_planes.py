@@ -182,12 +182,14 @@ def block_tokens(kgroup):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def planes_jobs(q, jobs, first, row_lo, g, table, kc, ks, ko, kn, vc, vs, vo, desc, use_norm, bits, kgroup, vgroup,
-                scale, pm, pl, pacc) -> None:
+def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc, use_norm, bits, kgroup,
+                vgroup, scale, pm, pl, pacc) -> None:
     """The CODES jobs of a plan (:func:`kvq_numba.cpu_paged.plan`) over 2- and 4-bit code rows that
     :func:`fits`: partial softmax state of rotated queries ``q`` [kv_heads, rows, d] (channel order)
     over the job's tokens, causal per row, fields read through ``table`` and ``desc`` (one row per
-    buffer ``kc .. vo``: key codes, key scale, key offset, token norm, value codes, scale, offset)."""
+    buffer ``kc .. vo``: key codes, key scale, key offset, token norm, value codes, scale, offset).
+    The jobs run as ``chunks`` interleaved chunks, each allocating its scratch once (a decode step's
+    jobs are small: allocating per job cost about a third of their time)."""
     nhk, nrow, d = q.shape
     rb = d * bits // 8
     nvg = d // vgroup
@@ -195,23 +197,14 @@ def planes_jobs(q, jobs, first, row_lo, g, table, kc, ks, ko, kn, vc, vs, vo, de
     sb = block_tokens(kgroup)
     mid = np.float32((1 << bits) - 1) * np.float32(0.5)
     order = plane_order(d, bits)
-    for job in prange(jobs.shape[0]):
-        if jobs[job, J_KIND] != CODES:
-            continue
-        req, h, row0, nrt = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+    nch = max(1, min(chunks, jobs.shape[0]))
+    for ch in prange(nch):
         lim = np.empty(ROWS, np.int64)
-        row_limits(jobs, job, first, row_lo, g, lim)
-        qo = np.zeros(ROWS * d, np.float32)  # channel order
-        for r in range(nrt):
-            for c in range(d):
-                qo[r * d + c] = q[h, row0 + r, c]
-        m = np.full(ROWS, -np.inf, np.float32)
-        l = np.zeros(ROWS, np.float32)
-        acc = np.zeros(ROWS * d, np.float32)
-        qp = np.zeros(ROWS * d, np.float32)  # plane order
-        for r in range(nrt):
-            for j in range(d):
-                qp[r * d + j] = qo[r * d + order[j]]
+        qo = np.empty(ROWS * d, np.float32)  # channel order
+        m = np.empty(ROWS, np.float32)
+        l = np.empty(ROWS, np.float32)
+        acc = np.empty(ROWS * d, np.float32)
+        qp = np.empty(ROWS * d, np.float32)  # plane order
         qs = np.empty(ROWS * d, np.float32)
         bias = np.empty(ROWS, np.float32)
         kstat = np.empty(2 * d, np.uint8)
@@ -232,55 +225,72 @@ def planes_jobs(q, jobs, first, row_lo, g, table, kc, ks, ko, kn, vc, vs, vo, de
         vst = np.empty(nvg * sb, np.float32)
         vot = np.empty(nvg * sb, np.float32)
         pw = np.empty(nvg * ROWS * sb, np.float32)
-        vbias = np.zeros((ROWS, nvg), np.float32)
+        vbias = np.empty((ROWS, nvg), np.float32)
         p = np.zeros((ROWS, sb), np.float32)
         tok = np.empty(sb, np.float32)
         ebits = np.empty(ROWS * sb, np.int32)
-        for t0 in range(jobs[job, J_T0], jobs[job, J_T1], sb):
-            n = min(sb, jobs[job, J_T1] - t0)
-            token_rows(table, req, h, t0, n, desc[F_KC], ka)
-            token_rows(table, req, h, t0, n, desc[F_VC], va)
-            token_rows(table, req, h, t0, n, desc[F_VS], sa)
-            token_rows(table, req, h, t0, n, desc[F_VO], oa)
-            token_halves(vs, sa, n, nvg, sbytes, vsf)
-            token_halves(vo, oa, n, nvg, obytes, vof)
-            for gg in range(nvg):  # scales and offsets to [group, token]
-                for i in range(n):
-                    vst[gg * sb + i] = vsf[i * nvg + gg]
-                    vot[gg * sb + i] = vof[i * nvg + gg]
-            if use_norm:
-                token_rows(table, req, 0, t0, n, desc[F_KN], na)
-                for i in range(n):
-                    tok[i] = scale * heads_f32(kn, na[i], desc[F_KN], nbuf, nval)
-            else:
-                for i in range(n):
-                    tok[i] = scale
-            i = 0
-            while i < n:  # one key group at a time
-                grp = (t0 + i) // kgroup
-                i_end = min((grp + 1) * kgroup - t0, n)
-                key_stats(ks, table, req, h, grp, desc[F_KS], d, kstat, ksf)
-                key_stats(ko, table, req, h, grp, desc[F_KO], d, kstat, kof)
-                _fold_key_group(qo, qp, ksf, kof, mid, order, qs, bias, ksp)
-                _logits(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p)
-                i = i_end
-            mask_block(p, n, t0, lim)
-            online_softmax(p, n, m, l, acc.reshape((ROWS, d)), vbias, ebits)
-            for gg in range(nvg):
-                for r in range(ROWS):
-                    a = np.float32(0)
-                    base = (gg * ROWS + r) * sb
-                    for i in range(n):
-                        pw[base + i] = p[r, i] * vst[gg * sb + i]
-                        a += p[r, i] * (vot[gg * sb + i] + mid * vst[gg * sb + i])
-                    vbias[r, gg] += a
-            _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d)
         out = np.empty(ROWS * d, np.float32)  # channel order, value offsets added
-        for r in range(ROWS):
-            for j in range(d):
-                c = order[j]
-                out[r * d + c] = acc[r * d + j] + vbias[r, c // vgroup]
-        store_partial(job, m, l, out, pm, pl, pacc)
+        for job in range(ch, jobs.shape[0], nch):
+            if jobs[job, J_KIND] != CODES:
+                continue
+            req, h, row0, nrt = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+            row_limits(jobs, job, first, row_lo, g, lim)
+            qo[:] = 0
+            qp[:] = 0
+            m[:] = -np.inf
+            l[:] = 0
+            acc[:] = 0
+            vbias[:] = 0
+            for r in range(nrt):
+                for c in range(d):
+                    qo[r * d + c] = q[h, row0 + r, c]
+            for r in range(nrt):
+                for j in range(d):
+                    qp[r * d + j] = qo[r * d + order[j]]
+            for t0 in range(jobs[job, J_T0], jobs[job, J_T1], sb):
+                n = min(sb, jobs[job, J_T1] - t0)
+                token_rows(table, req, h, t0, n, desc[F_KC], ka)
+                token_rows(table, req, h, t0, n, desc[F_VC], va)
+                token_rows(table, req, h, t0, n, desc[F_VS], sa)
+                token_rows(table, req, h, t0, n, desc[F_VO], oa)
+                token_halves(vs, sa, n, nvg, sbytes, vsf)
+                token_halves(vo, oa, n, nvg, obytes, vof)
+                for gg in range(nvg):  # scales and offsets to [group, token]
+                    for i in range(n):
+                        vst[gg * sb + i] = vsf[i * nvg + gg]
+                        vot[gg * sb + i] = vof[i * nvg + gg]
+                if use_norm:
+                    token_rows(table, req, 0, t0, n, desc[F_KN], na)
+                    for i in range(n):
+                        tok[i] = scale * heads_f32(kn, na[i], desc[F_KN], nbuf, nval)
+                else:
+                    for i in range(n):
+                        tok[i] = scale
+                i = 0
+                while i < n:  # one key group at a time
+                    grp = (t0 + i) // kgroup
+                    i_end = min((grp + 1) * kgroup - t0, n)
+                    key_stats(ks, table, req, h, grp, desc[F_KS], d, kstat, ksf)
+                    key_stats(ko, table, req, h, grp, desc[F_KO], d, kstat, kof)
+                    _fold_key_group(qo, qp, ksf, kof, mid, order, qs, bias, ksp)
+                    _logits(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p)
+                    i = i_end
+                mask_block(p, n, t0, lim)
+                online_softmax(p, n, m, l, acc.reshape((ROWS, d)), vbias, ebits)
+                for gg in range(nvg):
+                    for r in range(ROWS):
+                        a = np.float32(0)
+                        base = (gg * ROWS + r) * sb
+                        for i in range(n):
+                            pw[base + i] = p[r, i] * vst[gg * sb + i]
+                            a += p[r, i] * (vot[gg * sb + i] + mid * vst[gg * sb + i])
+                        vbias[r, gg] += a
+                _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d)
+            for r in range(ROWS):
+                for j in range(d):
+                    c = order[j]
+                    out[r * d + c] = acc[r * d + j] + vbias[r, c // vgroup]
+            store_partial(job, m, l, out, pm, pl, pacc)
 
 
 def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
@@ -299,8 +309,8 @@ def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, vo
     bufs = [_bytes(a) for a in (kcodes, kscale, koffset, knorm, vcodes, vscale, voffset)]
     scale = np.float32(scale)
 
-    def jobs_fn(qh, jobs, first, row_lo, g, table, pm, pl, pacc):  # noqa: ANN001, ANN202
-        planes_jobs(qh, jobs, first, row_lo, g, table, *bufs, desc, use_norm, bits, kgroup, vgroup, scale, pm, pl, pacc)
+    def jobs_fn(qh, jobs, first, row_lo, g, table, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
+        planes_jobs(qh, jobs, first, row_lo, g, table, chunks, *bufs, desc, use_norm, bits, kgroup, vgroup, scale, pm, pl, pacc)
     return jobs_fn, int(block_tokens(kgroup))
 
 

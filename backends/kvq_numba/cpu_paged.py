@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numba
 import numpy as np
 from numba import njit, prange
 
+from kvq_numba import threads
 from kvq_numba.cpu_attend import online_softmax
 from kvq_numba.cpu_tiles import ROWS, logits, weighted_rows
 
@@ -181,39 +181,46 @@ def plan(row_lo, q_lens, code_lens, tail_lens, first, g, nhk, split):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def tail_jobs(q, jobs, first, row_lo, g, code_lens, tail_k, tail_v, scale, pm, pl, pacc) -> None:
-    """The TAIL jobs: exact attention over ``tail_k`` / ``tail_v`` float32 [requests, kv_heads, t, d]
-    (in the same domain as ``q`` [kv_heads, rows, d]), causal per row."""
+def tail_jobs(q, jobs, first, row_lo, g, chunks, code_lens, tail_k, tail_v, slots, scale, pm, pl, pacc) -> None:
+    """The TAIL jobs: exact attention over ``tail_k`` / ``tail_v`` float32 [slots, kv_heads, t, d]
+    (in the same domain as ``q`` [kv_heads, rows, d]), request ``r``'s tail at ``slots[r]``, causal per row;
+    ``chunks`` interleaved chunks of jobs, scratch allocated once per chunk."""
     d = q.shape[2]
-    for job in prange(jobs.shape[0]):
-        if jobs[job, J_KIND] != TAIL:
-            continue
-        req, h, row0, nrows = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+    nch = max(1, min(chunks, jobs.shape[0]))
+    for ch in prange(nch):
         lim = np.empty(ROWS, np.int64)
-        row_limits(jobs, job, first, row_lo, g, lim)
-        for r in range(ROWS):
-            lim[r] -= code_lens[req]  # tail tokens the row sees
-        qf = np.zeros(ROWS * d, np.float32)
-        for r in range(nrows):
-            for c in range(d):
-                qf[r * d + c] = q[h, row0 + r, c]
-        m = np.full(ROWS, -np.inf, np.float32)
-        l = np.zeros(ROWS, np.float32)
-        acc = np.zeros(ROWS * d, np.float32)
+        qf = np.empty(ROWS * d, np.float32)
+        m = np.empty(ROWS, np.float32)
+        l = np.empty(ROWS, np.float32)
+        acc = np.empty(ROWS * d, np.float32)
         no_vbias = np.zeros((ROWS, 0), np.float32)
         p = np.zeros((ROWS, TAIL_BLOCK), np.float32)
         tok = np.full(TAIL_BLOCK, scale, np.float32)
         ebits = np.empty(ROWS * TAIL_BLOCK, np.int32)
-        kf = tail_k[req, h].reshape(tail_k.shape[2] * d)
-        vf = tail_v[req, h].reshape(tail_v.shape[2] * d)
-        t1 = jobs[job, J_T1]
-        for t0 in range(0, t1, TAIL_BLOCK):
-            n = min(TAIL_BLOCK, t1 - t0)
-            logits(qf, kf[t0 * d:], d, n, tok, p)
-            mask_block(p, n, t0, lim)
-            online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
-            weighted_rows(p.reshape(ROWS * TAIL_BLOCK), TAIL_BLOCK, vf[t0 * d:], d, n, acc)
-        store_partial(job, m, l, acc, pm, pl, pacc)
+        for job in range(ch, jobs.shape[0], nch):
+            if jobs[job, J_KIND] != TAIL:
+                continue
+            req, h, row0, nrows = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+            row_limits(jobs, job, first, row_lo, g, lim)
+            qf[:] = 0
+            m[:] = -np.inf
+            l[:] = 0
+            acc[:] = 0
+            for r in range(ROWS):
+                lim[r] -= code_lens[req]  # tail tokens the row sees
+            for r in range(nrows):
+                for c in range(d):
+                    qf[r * d + c] = q[h, row0 + r, c]
+            kf = tail_k[slots[req], h].reshape(tail_k.shape[2] * d)
+            vf = tail_v[slots[req], h].reshape(tail_v.shape[2] * d)
+            t1 = jobs[job, J_T1]
+            for t0 in range(0, t1, TAIL_BLOCK):
+                n = min(TAIL_BLOCK, t1 - t0)
+                logits(qf, kf[t0 * d:], d, n, tok, p)
+                mask_block(p, n, t0, lim)
+                online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
+                weighted_rows(p.reshape(ROWS * TAIL_BLOCK), TAIL_BLOCK, vf[t0 * d:], d, n, acc)
+            store_partial(job, m, l, acc, pm, pl, pacc)
 
 
 @njit(parallel=True, cache=True)
@@ -245,50 +252,86 @@ def combine(jobs, groups, pm, pl, pacc, out, lse) -> None:
             lse[h, row0 + r] = mx + np.log(tot)
 
 
-def split_tokens(work: int, align: int) -> int:
+def split_tokens(work: int, align: int, threads: int) -> int:
     """Coded tokens per split: about ``work`` (tokens summed over tiles) over
     :data:`JOBS_PER_THREAD` jobs per thread, at least :data:`MIN_SPLIT`, a multiple of ``align``."""
-    target = JOBS_PER_THREAD * numba.get_num_threads()
-    want = max(MIN_SPLIT, -(-work // target))
+    want = max(MIN_SPLIT, -(-work // (JOBS_PER_THREAD * threads)))
     return -(-want // align) * align
 
 
-#: ``jobs_fn(q, jobs, first, row_lo, g, table, pm, pl, pacc)``: a kernel's CODES jobs
+def chunks(threads: int) -> int:
+    """Chunks a jobs kernel cuts its jobs into (each allocates its scratch once): one on one thread,
+    else :data:`JOBS_PER_THREAD` per thread."""
+    return 1 if threads <= 1 else JOBS_PER_THREAD * threads
+
+
+#: ``jobs_fn(q, jobs, first, row_lo, g, table, chunks, pm, pl, pacc)``: a kernel's CODES jobs
 JobsFn = Callable[..., None]
+#: ``back(pacc, jobs)``: CODES jobs' partial outputs from the values' domain to the original one, in place
+BackFn = Callable[[np.ndarray, np.ndarray], None]
 
 
-def run(q: np.ndarray, row_lo: np.ndarray, q_lens: np.ndarray, code_lens: np.ndarray, tail_lens: np.ndarray,
-        first: np.ndarray, g: int, table: np.ndarray, jobs_fn: JobsFn, align: int,
+class Plan:
+    """The host side of one call: which rows of which request see which tokens, cut into jobs
+    (:func:`plan`), and the call's work (:data:`kvq_numba.threads.PARALLEL_MIN_WORK` units: it runs
+    on one thread below that). It depends only on the batch's lengths, so a serving engine's layers
+    share one per step. ``q_lens`` / ``code_lens`` / ``tail_lens`` / ``first`` / ``row_lo`` are int64
+    per request (``first``: position of the request's first query token; ``row_lo``: its first
+    query row); ``slots``: the staging slot of each request's tail."""
+
+    def __init__(self, row_lo: np.ndarray, q_lens: np.ndarray, code_lens: np.ndarray, tail_lens: np.ndarray,
+                 first: np.ndarray, g: int, nhk: int, d: int, align: int, slots: np.ndarray | None = None) -> None:
+        self.row_lo, self.q_lens, self.code_lens, self.tail_lens, self.first = row_lo, q_lens, code_lens, tail_lens, first
+        self.g = g
+        self.slots = np.arange(len(q_lens), dtype=np.int64) if slots is None else slots
+        self.work = int((q_lens * (code_lens + tail_lens)).sum()) * g * nhk * d
+        tiles = (q_lens * g + ROWS - 1) // ROWS
+        self.threads = threads.count() if self.work >= threads.PARALLEL_MIN_WORK else 1
+        self.chunks = chunks(self.threads)
+        split = split_tokens(int((tiles * code_lens).sum()) * nhk, align, self.threads)
+        self.jobs, self.groups = plan(row_lo, q_lens, code_lens, tail_lens, first, g, nhk, split)
+
+
+def run(q: np.ndarray, qc: np.ndarray, p: Plan, table: np.ndarray, jobs_fn: JobsFn, back: BackFn | None,
         tails: tuple[np.ndarray, np.ndarray] | None, scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """Plan, run the CODES jobs (``jobs_fn``) and the TAIL jobs, combine: ``(out [kv_heads, rows, d],
-    lse [kv_heads, rows])`` for queries ``q`` [kv_heads, rows, d] in the codes' domain."""
+    """Run plan ``p``: the CODES jobs (``jobs_fn``) on queries ``qc`` [kv_heads, rows, d] in the keys'
+    domain, their partials brought back to the original domain (``back``; None when the values are
+    stored in it), the TAIL jobs on the original queries ``q`` over ``tails`` (float32 ``[slots,
+    kv_heads, t, d]`` keys and values, original domain), then the combine: ``(out [kv_heads, rows, d],
+    lse [kv_heads, rows])`` in the original domain. Small plans run on one thread (:attr:`Plan.threads`)."""
+    return threads.run(p.work, _run, q, qc, p, table, jobs_fn, back, tails, scale)
+
+
+def _run(q: np.ndarray, qc: np.ndarray, p: Plan, table: np.ndarray, jobs_fn: JobsFn, back: BackFn | None,
+         tails: tuple[np.ndarray, np.ndarray] | None, scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
     nhk, nrow, d = q.shape
-    tiles = (q_lens * g + ROWS - 1) // ROWS
-    split = split_tokens(int((tiles * code_lens).sum()) * nhk, align)
-    jobs, groups = plan(row_lo, q_lens, code_lens, tail_lens, first, g, nhk, split)
+    jobs = p.jobs
     pm = np.empty((jobs.shape[0], ROWS), np.float32)
     pl = np.empty((jobs.shape[0], ROWS), np.float32)
     pacc = np.empty((jobs.shape[0], ROWS * d), np.float32)
-    jobs_fn(q, jobs, first, row_lo, g, table, pm, pl, pacc)
+    jobs_fn(qc, jobs, p.first, p.row_lo, p.g, table, p.chunks, pm, pl, pacc)
+    if back is not None:
+        back(pacc, jobs)
     if tails is not None:
-        tail_jobs(q, jobs, first, row_lo, g, code_lens, tails[0], tails[1], scale, pm, pl, pacc)
+        tail_jobs(q, jobs, p.first, p.row_lo, p.g, p.chunks, p.code_lens, tails[0], tails[1], p.slots, scale, pm, pl,
+                  pacc)
     out = np.zeros((nhk, nrow, d), np.float32)
     lse = np.zeros((nhk, nrow), np.float32)
-    combine(jobs, groups, pm, pl, pacc, out, lse)
+    combine(jobs, p.groups, pm, pl, pacc, out, lse)
     return out, lse
 
 
 def run_trivial(q: np.ndarray, tokens: int, jobs_fn: JobsFn, align: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`run` for contiguous blocks: ``q`` [b, kv_heads, rows, d] each seeing all ``tokens`` of
-    its batch element (request ``b`` = block ``b``, no causal limit); returns ``(out [b, kv_heads,
-    rows, d], lse [b, kv_heads, rows])``."""
+    """:func:`run` for contiguous blocks: ``q`` [b, kv_heads, rows, d] in the keys' domain, each seeing all
+    ``tokens`` of its batch element (request ``b`` = block ``b``, no causal limit); the output stays in
+    the values' domain (the caller brings it back). Returns ``(out [b, kv_heads, rows, d], lse [b,
+    kv_heads, rows])``."""
     nb, nhk, nr, d = q.shape
     qh = np.ascontiguousarray(q.transpose(1, 0, 2, 3)).reshape(nhk, nb * nr, d)
-    row_lo = np.arange(nb, dtype=np.int64) * nr
     ones = np.ones(nb, np.int64)
     code_lens = np.full(nb, tokens, np.int64)
-    table = np.arange(nb, dtype=np.int64)[:, None]
-    out, lse = run(qh, row_lo, ones, code_lens, np.zeros(nb, np.int64), code_lens - 1, nr, table, jobs_fn, align,
-                   None, np.float32(1))
+    p = Plan(np.arange(nb, dtype=np.int64) * nr, ones, code_lens, np.zeros(nb, np.int64), code_lens - 1, nr, nhk, d,
+             align)
+    out, lse = run(qh, qh, p, np.arange(nb, dtype=np.int64)[:, None], jobs_fn, None, None, np.float32(1))
     return (np.ascontiguousarray(out.reshape(nhk, nb, nr, d).transpose(1, 0, 2, 3)),
             np.ascontiguousarray(lse.reshape(nhk, nb, nr).transpose(1, 0, 2)))

@@ -13,12 +13,12 @@ queries, and one log-sum-exp combine merges everything. No per-block output, no 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from numba import njit
 
-from kvq_numba import cpu_paged
+from kvq_numba import cpu_paged, threads
 from kvq_numba.cpu_paged import CODES, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, TAIL
 from kvq_numba.cpu_tiles import ROWS
 
@@ -105,7 +105,7 @@ def ungrouped(x: np.ndarray, b: int, lq: int, g: int) -> np.ndarray:
 
 
 def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence[tuple[cpu_paged.JobsFn, int, int]],
-        window: tuple[np.ndarray, np.ndarray], values_back: Callable[[np.ndarray, np.ndarray], None] | None,
+        window: tuple[np.ndarray, np.ndarray], values_back: cpu_paged.BackFn | None,
         scale: float) -> tuple[np.ndarray, np.ndarray]:
     """``(out [kv_heads, rows, d], lse [kv_heads, rows])`` of queries ``q`` [kv_heads, rows, d]
     (:func:`grouped_queries`; ``qc`` the same in the keys' domain) over the ``blocks`` (``(jobs_fn,
@@ -120,7 +120,10 @@ def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence
     coded = int(starts[-1])
     tiles = -(-(lq * g) // ROWS) * b
     align = int(np.lcm.reduce([a for _, a, _ in blocks])) if blocks else 1
-    jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, cpu_paged.split_tokens(tiles * coded * nhk, align))
+    nthreads = threads.count()
+    chunks = cpu_paged.chunks(nthreads)
+    jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, cpu_paged.split_tokens(tiles * coded * nhk, align,
+                                                                                           nthreads))
     local = local_jobs(jobs, segment, starts)
     pm = np.empty((jobs.shape[0], ROWS), np.float32)
     pl = np.empty((jobs.shape[0], ROWS), np.float32)
@@ -129,11 +132,11 @@ def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence
     first = np.full(b, coded + w - lq, np.int64)
     table = np.arange(b, dtype=np.int64)[:, None]
     for s, (jobs_fn, _, _) in enumerate(blocks):
-        jobs_fn(qc, local[s], first, row_lo, g, table, pm, pl, pacc)
+        jobs_fn(qc, local[s], first, row_lo, g, table, chunks, pm, pl, pacc)
     if values_back is not None and blocks:
         values_back(pacc, jobs)
-    cpu_paged.tail_jobs(q, jobs, first, row_lo, g, np.full(b, coded, np.int64), tk, tv, np.float32(scale),
-                        pm, pl, pacc)
+    cpu_paged.tail_jobs(q, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b, dtype=np.int64),
+                        np.float32(scale), pm, pl, pacc)
     out = np.zeros((nhk, q.shape[1], d), np.float32)
     lse = np.zeros((nhk, q.shape[1]), np.float32)
     cpu_paged.combine(jobs, groups, pm, pl, pacc, out, lse)

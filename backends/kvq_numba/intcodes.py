@@ -142,6 +142,21 @@ class IntCodesNumba:
                 norm, self.token_scaling, np.ascontiguousarray(vfields["codes"]), half_bits(vfields["scale"]),
                 half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
 
+    def domains(self, consts: Any) -> tuple[Any, Any]:
+        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu_paged`): ``to_keys`` maps queries
+        ``[1, kv_heads, rows, d]`` into the keys' domain (H, or nothing); ``back(pacc, jobs)`` brings CODES
+        jobs' partial outputs ``[jobs, ROWS * d]`` from the values' domain to the original one, in place
+        (None: the same domain). ``consts`` is unused: the Hadamard has no per-layer constants."""
+        if not self.rotation:
+            return _same, None
+        inv = self.inv_sqrt_d
+
+        def back(pacc: np.ndarray, _jobs: np.ndarray) -> None:
+            x = pacc.reshape(1, 1, -1, self.spec.head_dim)
+            fwht_heads(x, x, inv)
+
+        return self._rotate, back
+
     def fuses_window(self, q: Any) -> bool:
         """:meth:`attend_window` runs for host queries over code rows the vector kernel takes (cpu_attend_planes.fits)."""
         return not is_cuda_input(q) and cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group)
@@ -157,17 +172,11 @@ class IntCodesNumba:
                        hk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
         b, hq, lq, d = q.shape
         g = hq // hk
+        to_keys, back = self.domains(None)
         qo = cpu_window.grouped_queries(as_float32(q), hk)
-        qc = self._rotate(qo[None])[0]
+        qc = to_keys(qo[None])[0]
         jobs = [(*cpu_attend_planes.contiguous_jobs(*self._block_args(kf, vf, scale)), t) for kf, vf, t in blocks]
-        inv = self.inv_sqrt_d
-
-        def back(pacc: np.ndarray, _jobs: np.ndarray) -> None:
-            x = pacc.reshape(1, 1, -1, d)
-            fwht_heads(x, x, inv)
-
-        out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)),
-                                  back if self.rotation else None, scale)
+        out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)), back, scale)
         return cpu_window.ungrouped(out, b, lq, g), cpu_window.ungrouped(lse, b, lq, g)
 
 
@@ -189,3 +198,7 @@ class KiviNumba(IntCodesNumba):
         self.bits, self.key_group, self.value_group = spec.bits, spec.group, spec.group
         self.rotation, self.token_scaling = False, False
         self.zero_mode = rules.ZERO_MIN
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+    return x

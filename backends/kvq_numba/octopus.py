@@ -122,6 +122,27 @@ class OctopusNumba:
                 half_bits(vfields["data"]) if fp16 else _NO_HALVES, fp16,
                 *self._books(ctx.consts), np.float32(scale))
 
+    def domains(self, consts: Any) -> tuple[Any, Any]:
+        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu_paged`) for one layer's
+        ``consts``: ``to_keys`` maps queries ``[1, kv_heads, rows, d]`` to the keys' domain (signs, then
+        H); ``back(pacc, jobs)`` brings CODES jobs' partial outputs ``[jobs, ROWS * d]`` from the values'
+        domain to the original one in place (H, then the job's kv head's signs; None for fp16 values)."""
+        signs = np.ascontiguousarray(consts["signs"]).astype(np.float32)
+        inv, d = self.inv_sqrt_d, self.spec.head_dim
+
+        def to_keys(x: np.ndarray) -> np.ndarray:
+            return cpu_octopus.signed_rotate(x, signs, inv)
+
+        if self.values_fp16:
+            return to_keys, None
+
+        def back(pacc: np.ndarray, jobs: np.ndarray) -> None:
+            x = pacc.reshape(1, 1, -1, d)
+            fwht_heads(x, x, inv)
+            pacc.reshape(-1, pacc.shape[1] // d, d)[...] *= signs[jobs[:, 1]][:, None, :]
+
+        return to_keys, back
+
     def fuses_window(self, q: Any) -> bool:
         """:meth:`attend_window` runs for host queries (NumPy, CPU tensors)."""
         return not is_cuda_input(q)
@@ -138,17 +159,9 @@ class OctopusNumba:
         b, hq, lq, d = q.shape
         hk = ctx.shape[1]
         g = hq // hk
-        signs = np.ascontiguousarray(ctx.consts["signs"]).astype(np.float32)
+        to_keys, back = self.domains(ctx.consts)
         qo = cpu_window.grouped_queries(as_float32(q), hk)
-        qc = cpu_octopus.signed_rotate(qo[None], signs, self.inv_sqrt_d)[0]
+        qc = to_keys(qo[None])[0]
         jobs = [(*cpu_attend_octopus.contiguous_jobs(*self._block_args(kf, vf, ctx, scale)), t) for kf, vf, t in blocks]
-        inv = self.inv_sqrt_d
-
-        def back(pacc: np.ndarray, plan: np.ndarray) -> None:  # diag(s_h) H per job row, h the job's kv head
-            x = pacc.reshape(1, 1, -1, d)
-            fwht_heads(x, x, inv)
-            pacc.reshape(-1, pacc.shape[1] // d, d)[...] *= signs[plan[:, 1]][:, None, :]
-
-        out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)),
-                                  None if self.values_fp16 else back, scale)
+        out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)), back, scale)
         return cpu_window.ungrouped(out, b, lq, g), cpu_window.ungrouped(lse, b, lq, g)

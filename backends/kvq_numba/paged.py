@@ -4,10 +4,15 @@
 kernels that serve contiguous blocks (the trivial page table). Other specs, and CUDA tensors (numba's
 CUDA kernels have no paged variant), take the torch fallback (``kvq_torch.paged``, through the table).
 
-Per call: queries are rotated once (and tail keys/values into the codes' domain), the work is planned
-(split-KV jobs per request, kv head and tile of query rows, plus one job per tile for the exact
-tail), the jobs run in parallel, a log-sum-exp combine merges each tile's jobs, the output is
-un-rotated once. Nothing loops over requests in Python.
+Per call: queries are rotated once into the keys' domain, the work is planned (split-KV jobs per
+request, kv head and tile of query rows, plus one job per tile for the exact tail), the CODES jobs'
+partial outputs are brought back from the values' domain (the kernel class's ``domains``, as in
+``KVQCache``'s fused window attend, :mod:`kvq_numba.cpu_window`), the TAIL jobs score the staged
+exact tokens with the original queries straight from the staging buffer (by slot: no copy, no
+rotation of the tail), and a log-sum-exp combine merges each tile's jobs. Nothing loops over
+requests in Python. The plan depends only on the batch's lengths, so the layers of an engine step
+share it (kept for the next call with equal lengths, compared by value); a small call runs on one
+thread (:class:`kvq_numba.cpu_paged.Plan`).
 
 **Many query tokens** (a prefill chunk, a prefix-cache tail, recompute): a request with at least
 :data:`DENSE_MIN_QUERY` query tokens is served by decoding its context to float32 K/V once (its
@@ -32,7 +37,7 @@ from kvq_core.dispatch.table import PAGED_FALLBACK, paged_kernel
 from kvq_core.kernels import KernelContext, resolve
 from kvq_core.paged import GROUP, PageLayout, gather_rows
 from kvq_core.spec import MethodSpec
-from kvq_numba import cpu_attend_octopus, cpu_attend_planes, cpu_octopus, cpu_paged
+from kvq_numba import cpu_attend_octopus, cpu_attend_planes, cpu_paged, threads
 from kvq_numba.plugin import KERNELS, supports
 
 #: fewest query tokens of a request that take the decode-then-flash path (module docstring)
@@ -63,6 +68,7 @@ class PagedNumba:
             self.fast = ok and cpu_attend_planes.fits(spec.bits, spec.head_dim, self.impl.value_group)
         self._layouts: dict[tuple[int, int], PageLayout] = {}
         self._setups: dict[tuple[int, ...], tuple[Any, ...]] = {}
+        self._last: tuple[Any, tuple[cpu_paged.Plan, np.ndarray, np.ndarray]] | None = None
 
     def _layout(self, block_size: int, kv_heads: int) -> PageLayout:
         key = (block_size, kv_heads)
@@ -74,36 +80,40 @@ class PagedNumba:
         s = layout.slot(kind, name)
         return (layout.block_size, *strides, s.start, s.width, layout.group if s.stripe == GROUP else 1)
 
-    # -- per method: the codes' domain and the kernel ------------------------------------------
-    def _transforms(self, layer: int, kv_heads: int, head_offset: int) -> tuple[Any, Any, Any]:
-        """(to the keys' domain, to the values' domain, back from the values' domain), on [1, h, t, d]."""
-        if self.spec.method == "octopus":
-            signs = np.ascontiguousarray(constants(self.spec, kv_heads, layer, head_offset)["signs"])
-            inv = self.impl.inv_sqrt_d
-
-            def rot(x: np.ndarray) -> np.ndarray:
-                return cpu_octopus.signed_rotate(x, signs, inv)
-
-            def unrot(x: np.ndarray) -> np.ndarray:
-                return cpu_octopus.signed_unrotate(x, signs, inv)
-
-            if self.spec.values == "fp16":
-                return rot, _same, _same
-            return rot, rot, unrot
-        rot = self.impl._rotate
-        return rot, rot, rot
-
     def _setup(self, layer: int, head_offset: int, block_size: int, kv_heads: int,
                strides: tuple[int, int, int]) -> tuple[Any, ...]:
-        """``(layout, (to_k, to_v, from_v), make_jobs, align)`` of a layer's pages, built once per
-        (layer, head offset, page shape and strides): a decode step's Python is the minimum."""
+        """``(to_keys, back, make_jobs, align)`` of a layer's pages (the kernel class's
+        ``domains`` and the CODES kernel), built once per (layer, head offset, page shape and
+        strides): a decode step's Python is the minimum."""
         key = (layer, head_offset, block_size, kv_heads, *strides)
         hit = self._setups.get(key)
         if hit is None:
             layout = self._layout(block_size, kv_heads)
-            hit = (layout, self._transforms(layer, kv_heads, head_offset),
+            hit = (*self.impl.domains(constants(self.spec, kv_heads, layer, head_offset)),
                    *self._jobs(layout, layer, head_offset, strides))
             self._setups[key] = hit
+        return hit
+
+    def _plan(self, query_start_loc: torch.Tensor, code_lens: torch.Tensor, tail_lens: torch.Tensor | None,
+              tail_slot: torch.Tensor | None, g: int, kv_heads: int,
+              align: int) -> tuple[cpu_paged.Plan, np.ndarray, np.ndarray]:
+        """``(plan of the requests the codes serve, dense request indices, query_start_loc as int64)`` of a
+        call. Kept for the next call with equal lengths (compared by value, so never stale): a serving
+        engine's layers share one per step."""
+        key = (query_start_loc.numpy().tobytes(), code_lens.numpy().tobytes(), g, kv_heads, align, threads.count(),
+               None if tail_lens is None else (tail_lens.numpy().tobytes(), tail_slot.numpy().tobytes()))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        qsl = query_start_loc.numpy().astype(np.int64)
+        q_lens = np.diff(qsl)
+        code = code_lens.numpy().astype(np.int64)
+        tail_n = tail_lens.numpy().astype(np.int64) if tail_lens is not None else np.zeros_like(code)
+        slots = tail_slot.numpy().astype(np.int64) if tail_slot is not None else None
+        dense = q_lens >= DENSE_MIN_QUERY
+        plan = cpu_paged.Plan(qsl[:-1] * g, np.where(dense, 0, q_lens), code, tail_n, code + tail_n - q_lens, g,
+                              kv_heads, self.spec.head_dim, align, slots)
+        hit = (plan, np.flatnonzero(dense), qsl)
+        self._last = (key, hit)
         return hit
 
     def _jobs(self, layout: PageLayout, layer: int, head_offset: int, strides: tuple[int, int, int]) -> Any:
@@ -122,8 +132,8 @@ class PagedNumba:
             bits, table = self.impl._books(constants(self.spec, layout.kv_heads, layer, head_offset))
 
             def octopus(flat, scale):  # noqa: ANN001, ANN202
-                def jobs_fn(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
-                    cpu_attend_octopus.octopus_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, desc,
+                def jobs_fn(q, jobs, first, row_lo, g, tab, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
+                    cpu_attend_octopus.octopus_jobs(q, jobs, first, row_lo, g, tab, chunks, flat, flat, flat, flat, flat, desc,
                                                     fp16, bits, table, scale, pm, pl, pacc)
                 return jobs_fn
             return octopus, cpu_attend_octopus.BLOCK
@@ -137,8 +147,8 @@ class PagedNumba:
             desc[cpu_attend_planes.F_KN] = self._desc(layout, "keys", "norm", strides)
 
         def planes(flat, scale):  # noqa: ANN001, ANN202
-            def jobs_fn(q, jobs, first, row_lo, g, tab, pm, pl, pacc):  # noqa: ANN001, ANN202
-                cpu_attend_planes.planes_jobs(q, jobs, first, row_lo, g, tab, flat, flat, flat, flat, flat, flat, flat,
+            def jobs_fn(q, jobs, first, row_lo, g, tab, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
+                cpu_attend_planes.planes_jobs(q, jobs, first, row_lo, g, tab, chunks, flat, flat, flat, flat, flat, flat, flat,
                                               desc, impl.token_scaling, impl.bits, impl.key_group, impl.value_group,
                                               scale, pm, pl, pacc)
             return jobs_fn
@@ -156,25 +166,30 @@ class PagedNumba:
         n, hq, d = q.shape
         if n == 0:
             return q.new_zeros((0, hq, d), dtype=torch.float32), q.new_zeros((0, hq), dtype=torch.float32)
-        qsl = query_start_loc.numpy().astype(np.int64)
-        q_lens = np.diff(qsl)
-        code = code_lens.numpy().astype(np.int64)
-        tail_n = tail_lens.numpy().astype(np.int64) if tail_k is not None else np.zeros_like(code)
-        dense = q_lens >= DENSE_MIN_QUERY
-        if dense.all():
+        hk, bs = pages.shape[1], pages.shape[2]
+        g = hq // hk
+        flat, strides = flat_pages(pages)
+        to_keys, back, make_jobs, align = self._setup(layer, head_offset, bs, hk, strides)
+        plan, dense, qsl = self._plan(query_start_loc, code_lens, tail_lens, tail_slot, g, hk, align)
+        if len(dense) == len(plan.q_lens):
             out = torch.empty((n, hq, d), dtype=torch.float32)
             lse = torch.empty((n, hq), dtype=torch.float32)
         else:
-            out, lse = self._from_codes(layer, head_offset, q, pages, block_table, qsl, np.where(dense, 0, q_lens),
-                                        code, tail_n, scale, tail_k, tail_v, tail_slot)
-        for r in np.flatnonzero(dense):
+            qh = np.ascontiguousarray(q.detach().to(torch.float32).numpy().reshape(n, hk, g, d).transpose(1, 0, 2, 3))
+            qh = qh.reshape(hk, n * g, d)
+            tails = None if tail_k is None else (_host_f32(tail_k), _host_f32(tail_v))
+            o, s = cpu_paged.run(qh, to_keys(qh[None])[0], plan, block_table.numpy().astype(np.int64),
+                                 make_jobs(flat, np.float32(scale)), back, tails, np.float32(scale))
+            out = torch.from_numpy(np.ascontiguousarray(o.reshape(hk, n, g, d).transpose(1, 0, 2, 3)).reshape(n, hq, d))
+            lse = torch.from_numpy(np.ascontiguousarray(s.reshape(hk, n, g).transpose(1, 0, 2)).reshape(n, hq))
+        for r in dense:
+            lo, hi = int(qsl[r]), int(qsl[r + 1])
             tail = None
-            if tail_n[r]:
-                slot = int(tail_slot[r])
-                tail = (tail_k[slot, :, :tail_n[r]], tail_v[slot, :, :tail_n[r]])
-            k, v = self._decoded(layer, head_offset, pages, block_table[r], int(code[r]), tail)
-            o, s = dense_causal(q[qsl[r]:qsl[r + 1]], k, v, scale)
-            out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = o, s
+            if plan.tail_lens[r]:
+                slot, t = int(plan.slots[r]), int(plan.tail_lens[r])
+                tail = (tail_k[slot, :, :t], tail_v[slot, :, :t])
+            k, v = self._decoded(layer, head_offset, pages, block_table[r], int(plan.code_lens[r]), tail)
+            out[lo:hi], lse[lo:hi] = dense_causal(q[lo:hi], k, v, scale)
         return out, lse
 
     def _decoded(self, layer: int, head_offset: int, pages: torch.Tensor, block_ids: torch.Tensor, coded: int,
@@ -193,35 +208,6 @@ class PagedNumba:
             parts_k.append(tail[0].to(torch.float32))
             parts_v.append(tail[1].to(torch.float32))
         return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
-
-    def _from_codes(self, layer: int, head_offset: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
-                    qsl: np.ndarray, q_lens: np.ndarray, code: np.ndarray, tail_n: np.ndarray, scale: float,
-                    tail_k: torch.Tensor | None, tail_v: torch.Tensor | None,
-                    tail_slot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The codes kernels' ``(out [n, q_heads, d], lse [n, q_heads])``; rows of requests whose
-        ``q_lens`` entry is 0 are left zero."""
-        n, hq, d = q.shape
-        hk, bs = pages.shape[1], pages.shape[2]
-        g = hq // hk
-        flat, strides = flat_pages(pages)
-        _, (to_k, to_v, from_v), make_jobs, align = self._setup(layer, head_offset, bs, hk, strides)
-        qn = q.detach().to(torch.float32).contiguous().numpy()
-        qh = np.ascontiguousarray(qn.reshape(n, hk, g, d).transpose(1, 0, 2, 3)).reshape(1, hk, n * g, d)
-        qr = to_k(qh)[0]
-        tails = None
-        if tail_k is not None:
-            slot = tail_slot.to(torch.long)
-            tk = tail_k.index_select(0, slot).to(torch.float32).contiguous().numpy()
-            tv = tail_v.index_select(0, slot).to(torch.float32).contiguous().numpy()
-            tails = (np.ascontiguousarray(to_k(tk)), np.ascontiguousarray(to_v(tv)))
-        jobs_fn = make_jobs(flat, np.float32(scale))
-        table = block_table.numpy().astype(np.int64)
-        out, lse = cpu_paged.run(qr, qsl[:-1] * g, q_lens, code, tail_n, code + tail_n - np.diff(qsl), g, table,
-                                 jobs_fn, align, tails, np.float32(scale))
-        out = from_v(out[None])[0]
-        out = np.ascontiguousarray(out.reshape(hk, n, g, d).transpose(1, 0, 2, 3)).reshape(n, hq, d)
-        lse = np.ascontiguousarray(lse.reshape(hk, n, g).transpose(1, 0, 2)).reshape(n, hq)
-        return torch.from_numpy(out), torch.from_numpy(lse)
 
 
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,5 +237,6 @@ def _numpy(fields: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {name: f.numpy() for name, f in fields.items()}
 
 
-def _same(x: np.ndarray) -> np.ndarray:
-    return x
+def _host_f32(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a C-contiguous float32 NumPy array (a view when it already is one)."""
+    return np.ascontiguousarray(x.detach().to(torch.float32).numpy())

@@ -96,6 +96,11 @@ def _thread_count() -> tuple[Callable[[], int], Callable[[int], Any]]:
     return _count
 
 
+def count() -> int:
+    """This thread's Numba thread count (the fast entry point of :func:`_thread_count`)."""
+    return int((_count or _thread_count())[0]())
+
+
 def run(work: int, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``: a CPU kernel call with about ``work`` units (:data:`PARALLEL_MIN_WORK`),
     on this thread alone when small. Raises in a forked child that cannot run the kernels."""

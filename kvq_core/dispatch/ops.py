@@ -126,16 +126,18 @@ ATTEND_PAGED_SCHEMA = ("(str backend, str spec_json, int layer, Tensor q, Tensor
                        "Tensor? tail_slot, Tensor? tail_lens, int head_offset=0) -> (Tensor, Tensor)")
 
 
-@torch.library.custom_op(f"{NAMESPACE}::attend_paged", mutates_args=(), schema=ATTEND_PAGED_SCHEMA)
-def attend_paged(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Tensor,
-                 block_table: torch.Tensor, code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                 tail_k: torch.Tensor | None, tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
-                 tail_lens: torch.Tensor | None, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return run.attend_paged(backend, spec_json, layer, q, pages, block_table, code_lens, query_start_loc, scale,
-                            tail_k, tail_v, tail_slot, tail_lens, head_offset)
+#: The two paged ops (``kvq::attend_paged``, ``kvq::write_paged``) are defined on a plain library fragment,
+#: not by ``torch.library.custom_op``: each runs once per layer and step of a serving engine, and
+#: custom_op's Python wrapper (argument defaults, autograd, a dynamo guard) costs ~20 us a call (an
+#: empty write: 22 us through custom_op, 3 us through the fragment; a decode step's whole OCTOPUS write
+#: is ~100 us). Neither has a gradient: inference ops.
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+_LIB.define("attend_paged" + ATTEND_PAGED_SCHEMA)
+_LIB.impl("attend_paged", run.attend_paged, "CompositeExplicitAutograd")
+attend_paged = torch.ops.kvq.attend_paged
 
 
-@attend_paged.register_fake
+@torch.library.register_fake(f"{NAMESPACE}::attend_paged")
 def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
       code_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, tail_k: torch.Tensor | None,
       tail_v: torch.Tensor | None, tail_slot: torch.Tensor | None,
@@ -159,11 +161,6 @@ def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Te
 
 WRITE_PAGED_SCHEMA = ("(str backend, str spec_json, int layer, Tensor key, Tensor value, Tensor(a!) pages, "
                       "Tensor slot_mapping, int head_offset=0) -> ()")
-#: ``kvq::write_paged`` is defined on a plain library fragment, not by ``torch.library.custom_op``: it runs
-#: once per layer and step, and custom_op's Python wrapper (argument defaults, autograd, a dynamo guard)
-#: costs ~20 us a call (an empty write: 22 us through custom_op, 3 us through the fragment; a decode
-#: step's whole OCTOPUS write is ~100 us)
-_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 _LIB.define("write_paged" + WRITE_PAGED_SCHEMA)
 
 
