@@ -36,8 +36,10 @@ class PagedWriteTorch:
         """``uint8 [n, kv_heads, row_bytes]``: the packed row of every token of ``key``/``value [n, kv_heads, d]``."""
         fields = []
         for kind, x in (("keys", key), ("values", value)):
-            out = torch.ops.kvq.encode(self.backend, self.spec_json, layer, kind, step_blocks(x, layout.group),
-                                       head_offset)
+            # contiguous: the rotation's matmul rounds by memory layout on some CPUs (AVX-512), and the
+            # blocks must code exactly as the same blocks handed to kvq::encode by a Quantizer
+            blocks = step_blocks(x, layout.group).contiguous()
+            out = torch.ops.kvq.encode(self.backend, self.spec_json, layer, kind, blocks, head_offset)
             fields.append(dict(zip(self.names[kind], out)))
         rows = layout.pack(*fields)  # [B, h, T, row]
         return rows.permute(0, 2, 1, 3).reshape(key.shape[0], key.shape[1], layout.row_bytes)
