@@ -34,35 +34,51 @@ def signed_units(x, signs):
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
         for t in range(nt):
-            g = np.sqrt(sum_squares(x[b, h, t], d))
-            gamma[b, h, t] = g
-            g = g if g > 0 else np.float32(1)
-            for c in range(d):
-                u[b, h, t, c] = signs[h, c] * (x[b, h, t, c] / g)
+            gamma[b, h, t] = signed_unit(x[b, h, t], signs[h], u[b, h, t])
     return u, gamma
+
+
+@njit(inline="always", cache=True)
+def signed_unit(x, sign, u) -> np.float32:
+    """``u = sign * x / gamma`` of one row (gamma 0: divided by 1); returns gamma, the float32 L2
+    norm of ``x`` in NumPy's pairwise order."""
+    d = x.shape[0]
+    g = np.sqrt(sum_squares(x, d))
+    gd = g if g > 0 else np.float32(1)
+    for c in range(d):
+        u[c] = sign[c] * (x[c] / gd)
+    return g
 
 
 @njit(parallel=True, cache=True)
 def _triplet_codes(v, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
-    """Packed triplet codes uint8 [b, h, t, row_bytes] of rotated unit rows v [b, h, t, d]; a last
-    partial triplet is zero-padded."""
+    """Packed triplet codes uint8 [b, h, t, row_bytes] of rotated unit rows v [b, h, t, d] (:func:`code_row`)."""
     nb, nh, nt, d = v.shape
     ntrip = (d + 2) // 3
-    nbytes = (ntrip * bits + 7) // 8
-    codes = np.zeros((nb, nh, nt, nbytes), np.uint8)
+    codes = np.zeros((nb, nh, nt, (ntrip * bits + 7) // 8), np.uint8)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
         row = np.empty(ntrip, np.int32)
-        xyz = np.zeros(3, np.float32)
         for t in range(nt):
-            vr = v[b, h, t]
-            for j in range(ntrip):
-                for k in range(3):
-                    xyz[k] = vr[3 * j + k] if 3 * j + k < d else np.float32(0)
-                row[j] = triplet_code(xyz[0], xyz[1], xyz[2], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits,
-                                      rho_bits, joint)
-            pack_row(row, bits, codes[b, h, t])
+            code_row(v[b, h, t], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint, row,
+                     codes[b, h, t])
     return codes
+
+
+@njit(inline="always", cache=True)
+def code_row(v, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint, row, out) -> None:
+    """``out`` (uint8, every byte written) = the packed triplet codes of one rotated unit row ``v``
+    [d]; a last partial triplet is zero-padded. ``row`` is int32 scratch of ``ceil(d / 3)``."""
+    d = v.shape[0]
+    full = d // 3
+    for j in range(full):
+        row[j] = triplet_code(v[3 * j], v[3 * j + 1], v[3 * j + 2], xi_th, eta_th, rho_th, dirs, n_xi, n_eta,
+                              eta_bits, rho_bits, joint)
+    if full < row.shape[0]:
+        y = v[3 * full + 1] if 3 * full + 1 < d else np.float32(0)
+        row[full] = triplet_code(v[3 * full], y, np.float32(0), xi_th, eta_th, rho_th, dirs, n_xi, n_eta,
+                                 eta_bits, rho_bits, joint)
+    pack_row(row, bits, out)
 
 
 @njit(inline="always", cache=True)

@@ -9,7 +9,11 @@ order of :func:`kvq_core.paged.step_blocks`: token ``i`` is ``(i // T, i % T)``)
 """
 from __future__ import annotations
 
-from numba import njit
+import numpy as np
+from numba import njit, prange
+
+from kvq_numba import cpu_octopus
+from kvq_numba.cpu_common import fwht_block
 
 #: descriptor columns of a field: its stripe, its first byte in a row, its bytes per row, its source row's bytes
 STRIPE, START, WIDTH, NBYTES = range(4)
@@ -47,3 +51,53 @@ def scatter_rows(fields, desc, tokens_per_block, group, slots, pages) -> None:
                     lo = h * width
                 for c in range(width):
                     out[c] = row[lo + c] if lo + c < nbytes else 0
+
+
+#: ``write_octopus``'s column starts of a row: key codes, key norm, value codes (or float16 values), value norm
+KC, KN, VC, VN = range(4)
+
+
+def _write_octopus(key, value, vhalf, slots, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits,
+                   rho_bits, bits, joint, starts, pages) -> None:
+    """OCTOPUS's paged write in one pass: token ``i``'s K and V rows of every kv head (float32 ``[n,
+    heads, d]``, any strides) encoded (:func:`kvq_numba.cpu_octopus.signed_unit`, the FWHT,
+    :func:`kvq_numba.cpu_octopus.code_row`) straight into its page row at ``slots[i]`` (skipped when
+    < 0; slots distinct): codes, then the float32 norm, at the columns ``starts``. Float16 values
+    (``vhalf`` float16 bits ``[n, heads, d]``, non-empty) are copied instead of coded. Codes and norms
+    are bitwise :func:`kvq_numba.cpu_octopus.encode`'s (the same float32 steps per row)."""
+    n, heads, d = key.shape
+    fp16 = vhalf.shape[0] > 0
+    coded = heads if fp16 else 2 * heads  # rows encoded per token: K (and V) of every head
+    block_tokens = pages.shape[2]
+    nbytes = ((d + 2) // 3 * bits + 7) // 8
+    for i in prange(n):
+        s = slots[i]
+        if s >= 0:
+            page, at = s // block_tokens, s % block_tokens
+            u = np.empty((coded, d), np.float32)
+            gamma = np.empty(coded, np.float32)
+            for r in range(coded):
+                x = key[i, r] if r < heads else value[i, r - heads]
+                gamma[r] = cpu_octopus.signed_unit(x, signs[r % heads], u[r])
+            fwht_block(u, u, inv_sqrt_d)
+            trip = np.empty((d + 2) // 3, np.int32)
+            norm = gamma.view(np.uint8)
+            for r in range(coded):
+                out = pages[page, r % heads, at]
+                c, m = (starts[KC], starts[KN]) if r < heads else (starts[VC], starts[VN])
+                cpu_octopus.code_row(u[r], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits,
+                                     joint, trip, out[c:c + nbytes])
+                for b in range(4):
+                    out[m + b] = norm[4 * r + b]
+            if fp16:
+                for h in range(heads):
+                    out = pages[page, h, at]
+                    half = vhalf[i, h]
+                    for c in range(d):
+                        out[starts[VC] + 2 * c] = np.uint8(half[c] & 0xFF)
+                        out[starts[VC] + 2 * c + 1] = np.uint8(half[c] >> 8)
+
+
+#: the kernel on the calling thread (small writes: a decode step) and in parallel over tokens (prefill chunks)
+write_octopus = njit(cache=True)(_write_octopus)
+write_octopus_parallel = njit(parallel=True, cache=True)(_write_octopus)
