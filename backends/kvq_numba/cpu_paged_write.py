@@ -55,44 +55,55 @@ def scatter_rows(fields, desc, tokens_per_block, group, slots, pages) -> None:
 
 #: ``write_octopus``'s column starts of a row: key codes, key norm, value codes (or float16 values), value norm
 KC, KN, VC, VN = range(4)
+#: tokens ``write_octopus`` rotates together (one FWHT call; a parallel task)
+CHUNK_TOKENS = 16
 
 
 def _write_octopus(key, value, vhalf, slots, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits,
                    rho_bits, bits, joint, starts, pages) -> None:
     """OCTOPUS's paged write in one pass: token ``i``'s K and V rows of every kv head (float32 ``[n,
-    heads, d]``, any strides) encoded (:func:`kvq_numba.cpu_octopus.signed_unit`, the FWHT,
-    :func:`kvq_numba.cpu_octopus.code_row`) straight into its page row at ``slots[i]`` (skipped when
-    < 0; slots distinct): codes, then the float32 norm, at the columns ``starts``. Float16 values
-    (``vhalf`` float16 bits ``[n, heads, d]``, non-empty) are copied instead of coded. Codes and norms
-    are bitwise :func:`kvq_numba.cpu_octopus.encode`'s (the same float32 steps per row)."""
+    heads, d]``, any strides) encoded straight into its page row at ``slots[i]`` (skipped when < 0;
+    slots distinct): codes, then the float32 norm, at the columns ``starts``. Float16 values
+    (``vhalf``: float16 bits ``[n, heads, d]``, non-empty) are copied instead of coded.
+
+    Per chunk of :data:`CHUNK_TOKENS` tokens: the signed unit rows
+    (:func:`kvq_numba.cpu_octopus.signed_unit`), one :func:`kvq_numba.cpu_common.fwht_block` over
+    all of them (it vectorises across rows), then each row's codes
+    (:func:`kvq_numba.cpu_octopus.code_row`) into its page row: the batched encoder's float32 steps
+    per row, so codes and norms are bitwise :func:`kvq_numba.cpu_octopus.encode`'s."""
     n, heads, d = key.shape
     fp16 = vhalf.shape[0] > 0
     coded = heads if fp16 else 2 * heads  # rows encoded per token: K (and V) of every head
     block_tokens = pages.shape[2]
     nbytes = ((d + 2) // 3 * bits + 7) // 8
-    for i in prange(n):
-        s = slots[i]
-        if s >= 0:
-            page, at = s // block_tokens, s % block_tokens
-            u = np.empty((coded, d), np.float32)
-            gamma = np.empty(coded, np.float32)
+    for chunk in prange((n + CHUNK_TOKENS - 1) // CHUNK_TOKENS):
+        t0 = chunk * CHUNK_TOKENS
+        m = min(CHUNK_TOKENS, n - t0)
+        u = np.empty((m * coded, d), np.float32)
+        gamma = np.empty(m * coded, np.float32)
+        for i in range(m):
             for r in range(coded):
-                x = key[i, r] if r < heads else value[i, r - heads]
-                gamma[r] = cpu_octopus.signed_unit(x, signs[r % heads], u[r])
-            fwht_block(u, u, inv_sqrt_d)
-            trip = np.empty((d + 2) // 3, np.int32)
-            norm = gamma.view(np.uint8)
+                x = key[t0 + i, r] if r < heads else value[t0 + i, r - heads]
+                gamma[i * coded + r] = cpu_octopus.signed_unit(x, signs[r % heads], u[i * coded + r])
+        fwht_block(u, u, inv_sqrt_d)
+        norm = gamma.view(np.uint8)
+        fs, js = cpu_octopus.code_scratch(d)
+        for i in range(m):
+            s = slots[t0 + i]
+            if s < 0:
+                continue
+            page, at = s // block_tokens, s % block_tokens
             for r in range(coded):
                 out = pages[page, r % heads, at]
-                c, m = (starts[KC], starts[KN]) if r < heads else (starts[VC], starts[VN])
-                cpu_octopus.code_row(u[r], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits,
-                                     joint, trip, out[c:c + nbytes])
+                c, g = (starts[KC], starts[KN]) if r < heads else (starts[VC], starts[VN])
+                cpu_octopus.code_row(u[i * coded + r], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits,
+                                     bits, joint, fs, js, out[c:c + nbytes])
                 for b in range(4):
-                    out[m + b] = norm[4 * r + b]
+                    out[g + b] = norm[4 * (i * coded + r) + b]
             if fp16:
                 for h in range(heads):
                     out = pages[page, h, at]
-                    half = vhalf[i, h]
+                    half = vhalf[t0 + i, h]
                     for c in range(d):
                         out[starts[VC] + 2 * c] = np.uint8(half[c] & 0xFF)
                         out[starts[VC] + 2 * c + 1] = np.uint8(half[c] >> 8)
