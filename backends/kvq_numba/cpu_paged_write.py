@@ -1,4 +1,7 @@
-"""The Numba CPU kernel of ``kvq::write_paged``: a step's encoded fields, byte for byte, into the
+"""The Numba CPU kernels of ``kvq::write_paged``.
+
+:func:`write_octopus` (and its parallel twin) encodes OCTOPUS K and V rows straight into their page
+rows in one call. :func:`scatter_rows` writes encoded fields (OScaR, KIVI), byte for byte, into the
 page rows of their slots (:class:`kvq_core.paged.PageLayout`: per-token fields at their columns,
 a group's statistics striped over its rows, a field shared by the heads striped over their rows,
 zeros where a stripe pads), as ``PageLayout.pack`` and a scatter would, without either.

@@ -159,7 +159,7 @@ def stage_tokens(plan: GroupPlan, tail: torch.Tensor, x: torch.Tensor) -> None:
 
     One ``index_put_`` on the ``[slots, G, kv_heads, d]`` view of ``tail`` (and one ``index_select`` of
     ``x`` unless every token is staged in order): it runs in every layer of every step, where
-    advanced-indexing assignment cost several times more (Python indexing, a gather, a scatter)."""
+    advanced-indexing assignment cost twice as much (Python indexing, a gather, a scatter)."""
     staged = plan.stage_slot.shape[0]
     if plan.stage_src is not None:
         x = x.index_select(0, plan.stage_src)
