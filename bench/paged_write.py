@@ -7,17 +7,20 @@ replaces (``kvq::encode`` of K and V through the plugin's numba adapter as field
 
 Shape: SmolLM2-135M (3 KV heads, head_dim 64), token-major pages of 32 tokens, float32 K/V.
 Per-token codecs (OCTOPUS): a decode step of 8 tokens and a 512-token prefill chunk; token-group
-codecs (OScaR, KIVI; the staging copies are the same either way and not timed): one 32-token group
-completing, and a 512-token chunk (16 groups). Each repeat times every path in turn over many
-calls; figures are medians over the repeats, microseconds per call of the process's CPU time (on
-the shared 2-core machine wall time mostly measures the other processes) and of wall time. Prints
-the CPU capability and ``uptime`` with the figures.
+codecs (OScaR, KIVI): one 32-token group completing, and a 512-token chunk (16 groups). Each repeat
+times every path in turn over many calls; figures are medians over the repeats, microseconds per
+call of the process's CPU time (on the shared 2-core machine wall time mostly measures the other
+processes) and of wall time. Last, the token-group codecs' staging copy per layer of a decode step
+of 8 requests (``kvq_vllm.plan.stage_tokens`` of K and V; the plan is built once per step). Prints
+the CPU capability and ``uptime`` with the figures. Run with ``PYTHONPATH`` naming another tree's
+``.`` and ``backends`` to time that tree's kernels with the same script (before/after).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -88,6 +91,30 @@ def per_call_us(fn, calls: int) -> tuple[float, float]:  # noqa: ANN001
     return (time.process_time() - c) / calls * 1e6, (time.perf_counter() - t) / calls * 1e6
 
 
+def staging_us(repeats: int, requests: int = 8, group: int = 32) -> tuple[float, float]:
+    """Median (CPU, wall) us of one layer's staging copy (K and V) in a decode step of ``requests``
+    requests whose open groups already have their slots."""
+    sys.path.insert(0, str(Path(kvq_core.__file__).resolve().parents[1] / "plugins" / "kvq-vllm"))  # kvq_core's tree
+    from kvq_vllm.plan import StagingPool, plan_step, stage_tokens
+
+    pool = StagingPool(requests + 4)
+    seq = np.array([70 + 5 * r for r in range(requests)])  # after the step; no group completes
+    table = np.arange(requests * 4).reshape(requests, 4)
+    start = (seq - 1) // group * group
+    plan_step(pool, group, PAGE * 2, np.concatenate([[0], np.cumsum(seq - 1 - start)]), seq - 1, table)  # the open groups
+    plan = plan_step(pool, group, PAGE * 2, np.arange(requests + 1), seq, table)
+    tail_k, tail_v = (torch.zeros(requests + 4, HK, group, D) for _ in range(2))
+    qkv = torch.randn(requests, 3 * HK * D)
+    key, value = qkv[:, HK * D:2 * HK * D].view(requests, HK, D), qkv[:, 2 * HK * D:].view(requests, HK, D)
+
+    def run() -> None:
+        stage_tokens(plan, tail_k, key)
+        stage_tokens(plan, tail_v, value)
+    per_call_us(run, 10)
+    times = [per_call_us(run, 4000) for _ in range(repeats)]
+    return statistics.median(c for c, _ in times), statistics.median(w for _, w in times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -113,10 +140,11 @@ def main() -> None:
                 slots = torch.arange(n) + PAGE * int(rng.integers(1, BLOCKS - n // PAGE - 1))
             qkv = torch.randn(n, 3 * HK * D)  # K and V are views of the model's qkv output, as in vLLM
             key, value = qkv[:, HK * D:2 * HK * D].view(n, HK, D), qkv[:, 2 * HK * D:].view(n, HK, D)
+            spec_json = spec.to_json()  # once, as the plugin does
             paths = {
                 "before": before(spec, key, value, pages, slots),
-                "numba": lambda: torch.ops.kvq.write_paged("numba", spec.to_json(), LAYER, key, value, pages, slots),
-                "torch": lambda: torch.ops.kvq.write_paged("torch", spec.to_json(), LAYER, key, value, pages, slots),
+                "numba": lambda: torch.ops.kvq.write_paged("numba", spec_json, LAYER, key, value, pages, slots),
+                "torch": lambda: torch.ops.kvq.write_paged("torch", spec_json, LAYER, key, value, pages, slots),
             }
             calls = 400 if n < 64 else 40
             for fn in paths.values():
@@ -133,6 +161,10 @@ def main() -> None:
                     f"{ratio:.2f}x |")
             lines.append(line)
             print(line, flush=True)
+    stage = staging_us(args.repeats)
+    lines += ["", f"staging of 8 decode tokens per layer, K and V (kvq_vllm.plan.stage_tokens): CPU {stage[0]:.1f} us "
+              f"(wall {stage[1]:.1f})"]
+    print(lines[-1])
     lines.append("")
     lines.append(f"uptime after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     Path(args.out).write_text("\n".join(lines) + "\n")

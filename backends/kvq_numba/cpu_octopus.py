@@ -8,12 +8,14 @@ so codes are bitwise the reference's.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu_common import CHUNK, fwht_heads, pack_row, sum_squares
 from kvq_numba.cpu_simd import move4
-from kvq_numba.rules import triplet_code
+from kvq_numba.rules import NEIGHBOURS, sgn
 
 def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
     """Codes uint8 [b, h, t, row_bytes] and norms gamma float32 [b, h, t] of C-contiguous float32
@@ -34,35 +36,107 @@ def signed_units(x, signs):
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
         for t in range(nt):
-            g = np.sqrt(sum_squares(x[b, h, t], d))
-            gamma[b, h, t] = g
-            g = g if g > 0 else np.float32(1)
-            for c in range(d):
-                u[b, h, t, c] = signs[h, c] * (x[b, h, t, c] / g)
+            gamma[b, h, t] = signed_unit(x[b, h, t], signs[h], u[b, h, t])
     return u, gamma
+
+
+@njit(inline="always", cache=True)
+def signed_unit(x, sign, u) -> np.float32:
+    """``u = sign * x / gamma`` of one row (gamma 0: divided by 1); returns gamma, the float32 L2
+    norm of ``x`` in NumPy's pairwise order."""
+    d = x.shape[0]
+    g = np.sqrt(sum_squares(x, d))
+    gd = g if g > 0 else np.float32(1)
+    for c in range(d):
+        u[c] = sign[c] * (x[c] / gd)
+    return g
 
 
 @njit(parallel=True, cache=True)
 def _triplet_codes(v, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
-    """Packed triplet codes uint8 [b, h, t, row_bytes] of rotated unit rows v [b, h, t, d]; a last
-    partial triplet is zero-padded."""
+    """Packed triplet codes uint8 [b, h, t, row_bytes] of rotated unit rows v [b, h, t, d] (:func:`code_row`)."""
     nb, nh, nt, d = v.shape
     ntrip = (d + 2) // 3
-    nbytes = (ntrip * bits + 7) // 8
-    codes = np.zeros((nb, nh, nt, nbytes), np.uint8)
+    codes = np.zeros((nb, nh, nt, (ntrip * bits + 7) // 8), np.uint8)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
-        row = np.empty(ntrip, np.int32)
-        xyz = np.zeros(3, np.float32)
+        fs, js = code_scratch(d)
         for t in range(nt):
-            vr = v[b, h, t]
-            for j in range(ntrip):
-                for k in range(3):
-                    xyz[k] = vr[3 * j + k] if 3 * j + k < d else np.float32(0)
-                row[j] = triplet_code(xyz[0], xyz[1], xyz[2], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits,
-                                      rho_bits, joint)
-            pack_row(row, bits, codes[b, h, t])
+            code_row(v[b, h, t], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint, fs, js,
+                     codes[b, h, t])
     return codes
+
+
+@njit(inline="always", cache=True)
+def code_scratch(d):
+    """:func:`code_row`'s scratch for rows of ``d``: float32 [5, ceil(d / 3)] and int32 [3, ceil(d / 3)]."""
+    ntrip = (d + 2) // 3
+    return np.empty((5, ntrip), np.float32), np.empty((3, ntrip), np.int32)
+
+
+@njit(inline="always", cache=True)
+def _count_le(thresholds, x, counts) -> None:
+    """``counts[j] += how many thresholds are <= x[j]`` (:func:`kvq_numba.rules.bucket` of every triplet):
+    the thresholds outer, the triplets inner, so the compares run as vectors without a branch."""
+    for k in range(thresholds.shape[0]):
+        th = thresholds[k]
+        for j in range(counts.shape[0]):
+            counts[j] += np.int32(th <= x[j])
+
+
+@njit(inline="always", cache=True)
+def code_row(v, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint, fs, js, out) -> None:
+    """``out`` (uint8, every byte written) = the packed triplet codes of one rotated unit row ``v``
+    [d]; a last partial triplet is zero-padded; ``fs``, ``js``: :func:`code_scratch`.
+
+    :func:`kvq_numba.rules.triplet_code`'s float32 steps, reordered to run over all the row's
+    triplets at once, stage by stage, with selects instead of branches (its per-triplet branches
+    mispredict; stage loops vectorise): the octahedral fold, the nearest (xi, eta) centroids, the
+    joint search (strictly larger projection wins, centre first, as the rule's loop) or the
+    triplet norm, the nearest rho centroid. Codes are bitwise the rule's (the conformance suite).
+    """
+    d = v.shape[0]
+    ntrip = fs.shape[1]
+    xs, ys, zs, xi, eta = fs[0], fs[1], fs[2], fs[3], fs[4]
+    i_xi, i_eta, i_rho = js[0], js[1], js[2]
+    zero, one = np.float32(0), np.float32(1)
+    for j in range(ntrip):
+        xs[j] = v[3 * j]
+        ys[j] = v[3 * j + 1] if 3 * j + 1 < d else zero
+        zs[j] = v[3 * j + 2] if 3 * j + 2 < d else zero
+    for j in range(ntrip):
+        x, y, z = xs[j], ys[j], zs[j]
+        l1 = abs(x) + abs(y) + abs(z)
+        flat = l1 == 0
+        n = one if flat else l1
+        px, py, pz = (zero, zero, one) if flat else (x / n, y / n, z / n)
+        fold = pz < 0
+        xi[j] = (sgn(px) * (one - abs(py))) if fold else px
+        eta[j] = (sgn(py) * (one - abs(px))) if fold else py
+        i_xi[j], i_eta[j], i_rho[j] = 0, 0, 0
+    _count_le(xi_th, xi, i_xi)
+    _count_le(eta_th, eta, i_eta)
+    rho = xi  # xi's buckets are taken: its scratch holds what rho is coded from
+    for j in range(ntrip):
+        x, y, z = xs[j], ys[j], zs[j]
+        if joint:
+            ix, ie = i_xi[j], i_eta[j]
+            best, bx, be = np.float32(-np.inf), ix, ie
+            for k in range(NEIGHBOURS.shape[0]):
+                cx = min(max(ix + NEIGHBOURS[k, 0], 0), n_xi - 1)
+                ce = min(max(ie + NEIGHBOURS[k, 1], 0), n_eta - 1)
+                p = cx * n_eta + ce
+                s = x * dirs[p, 0] + y * dirs[p, 1] + z * dirs[p, 2]
+                better = s > best
+                best, bx, be = (s, cx, ce) if better else (best, bx, be)
+            i_xi[j], i_eta[j] = bx, be
+            rho[j] = max(best, zero)
+        else:
+            rho[j] = np.float32(math.sqrt(x * x + y * y + z * z))
+    _count_le(rho_th, rho, i_rho)
+    for j in range(ntrip):
+        i_xi[j] = (i_xi[j] << (eta_bits + rho_bits)) | (i_eta[j] << rho_bits) | i_rho[j]
+    pack_row(i_xi, bits, out)
 
 
 @njit(inline="always", cache=True)

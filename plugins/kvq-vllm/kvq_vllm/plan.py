@@ -65,8 +65,10 @@ class GroupPlan:
 
     - ``code_lens``, ``tail_lens``, ``tail_slot`` int32 ``[num_reqs]``: coded tokens (whole groups),
       exact tokens in the open group and its staging slot, after this step's tokens;
-    - ``stage_slot``, ``stage_pos``, ``stage_src`` int64: step token ``stage_src`` goes to staging
-      slot ``stage_slot`` at offset ``stage_pos`` (every token of a group that has a slot);
+    - ``stage_slot``, ``stage_pos`` int64: the ``i``-th staged token goes to staging slot
+      ``stage_slot[i]`` at offset ``stage_pos[i]`` (every token of a group that has a slot); it is step
+      token ``stage_src[i]``, or token ``i`` when ``stage_src`` is None (a decode step: every token is
+      staged, in order; the staging copy then gathers nothing);
     - ``groups``: how many groups complete this step; their ``groups * G`` rows are assembled
       (row ``at`` from staging ``(from_slot, from_pos)`` or from step token ``step_src``) and written
       by ``kvq::write_paged`` at slots ``write_slot`` (``block * block_size + offset``), group by group.
@@ -77,7 +79,7 @@ class GroupPlan:
     tail_slot: torch.Tensor
     stage_slot: torch.Tensor
     stage_pos: torch.Tensor
-    stage_src: torch.Tensor
+    stage_src: torch.Tensor | None
     groups: int
     from_at: torch.Tensor
     from_slot: torch.Tensor
@@ -142,19 +144,28 @@ def plan_step(pool: StagingPool, group: int, block_size: int, query_start_loc: n
                 tail_slot[r], tail_lens[r] = slot, end - coded
         code_lens[r] = coded
 
-    def tensor(name: str) -> torch.Tensor:
-        parts = lists[name]
-        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(device)
-
-    as_dev = {name: tensor(name) for name in lists}
+    host = {name: np.concatenate(parts) if parts else np.zeros(0, np.int64) for name, parts in lists.items()}
+    as_dev: dict[str, torch.Tensor | None] = {name: torch.from_numpy(a).to(device) for name, a in host.items()}
+    if np.array_equal(host["stage_src"], np.arange(host["stage_src"].size)):
+        as_dev["stage_src"] = None  # every token staged, in order (stage_tokens gathers nothing)
     i32 = {n: torch.from_numpy(a).to(device) for n, a in (("code_lens", code_lens), ("tail_lens", tail_lens),
                                                           ("tail_slot", tail_slot))}
     return GroupPlan(groups=groups, **i32, **as_dev)
 
 
 def stage_tokens(plan: GroupPlan, tail: torch.Tensor, x: torch.Tensor) -> None:
-    """Copy the step's tokens ``x [n_tokens, kv_heads, d]`` of groups with a slot into ``tail [slots, kv_heads, G, d]``."""
-    tail[plan.stage_slot, :, plan.stage_pos] = x[plan.stage_src].to(tail.dtype)
+    """Copy the step's tokens ``x [n_tokens, kv_heads, d]`` of groups with a slot into ``tail [slots, kv_heads, G, d]``
+    (the same dtype: the model's).
+
+    One ``index_put_`` on the ``[slots, G, kv_heads, d]`` view of ``tail`` (and one ``index_select`` of
+    ``x`` unless every token is staged in order): it runs in every layer of every step, where
+    advanced-indexing assignment cost twice as much (Python indexing, a gather, a scatter)."""
+    staged = plan.stage_slot.shape[0]
+    if plan.stage_src is not None:
+        x = x.index_select(0, plan.stage_src)
+    elif x.shape[0] != staged:
+        x = x[:staged]
+    tail.transpose(1, 2).index_put_((plan.stage_slot, plan.stage_pos), x)
 
 
 def group_rows(plan: GroupPlan, tail: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -163,6 +174,6 @@ def group_rows(plan: GroupPlan, tail: torch.Tensor, x: torch.Tensor) -> torch.Te
     steps) and ``x`` (this step's)."""
     g, heads, d = tail.shape[2], tail.shape[1], tail.shape[3]
     rows = x.new_empty(plan.groups * g, heads, d)
-    rows[plan.from_at] = tail[plan.from_slot, :, plan.from_pos].to(x.dtype)
-    rows[plan.step_at] = x[plan.step_src]
+    rows.index_copy_(0, plan.from_at, tail.transpose(1, 2)[plan.from_slot, plan.from_pos])
+    rows.index_copy_(0, plan.step_at, x.index_select(0, plan.step_src))
     return rows
