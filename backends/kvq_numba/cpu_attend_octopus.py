@@ -16,8 +16,8 @@ from kvq_numba import cpu_paged
 from kvq_numba.cpu_attend import online_softmax
 from kvq_numba.cpu_common import half_to_float
 from kvq_numba.cpu_octopus import decode_rows_at
-from kvq_numba.cpu_paged import (CODES, DESC, J_HEAD, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, WIDTH, half_at,
-                                 mask_block, row_limits, store_partial, token_rows)
+from kvq_numba.cpu_paged import (CODES, DESC, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH, half_at,
+                                 mask_block, start_job, store_partial, token_rows)
 from kvq_numba.cpu_tiles import ROWS, logits, weighted_rows
 
 #: tokens per online-softmax block (two decoded [BLOCK, d] blocks stay in L1 at d = 128)
@@ -80,15 +80,8 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
         for job in range(ch, jobs.shape[0], nch):
             if jobs[job, J_KIND] != CODES:
                 continue
-            req, h, row0, nrt = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
-            row_limits(jobs, job, first, row_lo, g, lim)
-            qf[:] = 0
-            m[:] = -np.inf
-            l[:] = 0
-            acc[:] = 0
-            for r in range(nrt):
-                for c in range(d):
-                    qf[r * d + c] = q[h, row0 + r, c]
+            req, h = jobs[job, J_REQ], jobs[job, J_HEAD]
+            start_job(q, jobs, job, first, row_lo, g, lim, qf, m, l, acc)
             for t0 in range(jobs[job, J_T0], jobs[job, J_T1], BLOCK):
                 n = min(BLOCK, jobs[job, J_T1] - t0)
                 token_rows(table, req, h, t0, n, desc[F_KC], ka)

@@ -27,8 +27,8 @@ from numba import njit, prange
 
 from kvq_numba import cpu_paged
 from kvq_numba.cpu_attend import online_softmax
-from kvq_numba.cpu_paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, WIDTH,
-                                 gather_rows_bytes, heads_f32, row_addr, mask_block, row_limits, store_partial,
+from kvq_numba.cpu_paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH,
+                                 gather_rows_bytes, heads_f32, row_addr, mask_block, start_job, store_partial,
                                  token_rows)
 from kvq_numba.cpu_simd import bytes8, halves, plane, vaccumulate, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
 from kvq_numba.cpu_tiles import ROWS
@@ -233,20 +233,11 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
         for job in range(ch, jobs.shape[0], nch):
             if jobs[job, J_KIND] != CODES:
                 continue
-            req, h, row0, nrt = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
-            row_limits(jobs, job, first, row_lo, g, lim)
-            qo[:] = 0
-            qp[:] = 0
-            m[:] = -np.inf
-            l[:] = 0
-            acc[:] = 0
+            req, h = jobs[job, J_REQ], jobs[job, J_HEAD]
+            start_job(q, jobs, job, first, row_lo, g, lim, qo, m, l, acc)
             vbias[:] = 0
-            for r in range(nrt):
-                for c in range(d):
-                    qo[r * d + c] = q[h, row0 + r, c]
-            for r in range(nrt):
-                for j in range(d):
-                    qp[r * d + j] = qo[r * d + order[j]]
+            for j in range(ROWS * d):  # plane order (zeros past the job's rows, as qo)
+                qp[j] = qo[j - j % d + order[j % d]]
             for t0 in range(jobs[job, J_T0], jobs[job, J_T1], sb):
                 n = min(sb, jobs[job, J_T1] - t0)
                 token_rows(table, req, h, t0, n, desc[F_KC], ka)

@@ -124,6 +124,22 @@ def row_limits(jobs, job, first, row_lo, g, lim) -> None:
 
 
 @njit(cache=True, inline="always")
+def start_job(q, jobs, job, first, row_lo, g, lim, qf, m, l, acc) -> None:
+    """A job's start: its rows' causal limits into ``lim``, its tile's query rows into ``qf`` (zeros
+    past its rows), its running max, sum and unnormalised output reset."""
+    h, row0, nrows = jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
+    d = q.shape[2]
+    row_limits(jobs, job, first, row_lo, g, lim)
+    qf[:] = 0
+    m[:] = -np.inf
+    l[:] = 0
+    acc[:] = 0
+    for r in range(nrows):
+        for c in range(d):
+            qf[r * d + c] = q[h, row0 + r, c]
+
+
+@njit(cache=True, inline="always")
 def mask_block(p, n, t0, lim) -> None:
     """Logits of tokens ``t0 + i >= lim[r]`` become :data:`MASKED`."""
     for r in range(ROWS):
@@ -200,17 +216,10 @@ def tail_jobs(q, jobs, first, row_lo, g, chunks, code_lens, tail_k, tail_v, slot
         for job in range(ch, jobs.shape[0], nch):
             if jobs[job, J_KIND] != TAIL:
                 continue
-            req, h, row0, nrows = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_ROW], jobs[job, J_NROWS]
-            row_limits(jobs, job, first, row_lo, g, lim)
-            qf[:] = 0
-            m[:] = -np.inf
-            l[:] = 0
-            acc[:] = 0
+            req, h = jobs[job, J_REQ], jobs[job, J_HEAD]
+            start_job(q, jobs, job, first, row_lo, g, lim, qf, m, l, acc)
             for r in range(ROWS):
                 lim[r] -= code_lens[req]  # tail tokens the row sees
-            for r in range(nrows):
-                for c in range(d):
-                    qf[r * d + c] = q[h, row0 + r, c]
             kf = tail_k[slots[req], h].reshape(tail_k.shape[2] * d)
             vf = tail_v[slots[req], h].reshape(tail_v.shape[2] * d)
             t1 = jobs[job, J_T1]

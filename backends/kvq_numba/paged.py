@@ -38,6 +38,7 @@ from kvq_core.kernels import KernelContext, resolve
 from kvq_core.paged import GROUP, PageLayout, gather_rows
 from kvq_core.spec import MethodSpec
 from kvq_numba import cpu_attend_octopus, cpu_attend_planes, cpu_paged, threads
+from kvq_numba.arrays import as_float32
 from kvq_numba.plugin import KERNELS, supports
 
 #: fewest query tokens of a request that take the decode-then-flash path (module docstring)
@@ -177,7 +178,7 @@ class PagedNumba:
         else:
             qh = np.ascontiguousarray(q.detach().to(torch.float32).numpy().reshape(n, hk, g, d).transpose(1, 0, 2, 3))
             qh = qh.reshape(hk, n * g, d)
-            tails = None if tail_k is None else (_host_f32(tail_k), _host_f32(tail_v))
+            tails = None if tail_k is None else (as_float32(tail_k), as_float32(tail_v))
             o, s = cpu_paged.run(qh, to_keys(qh[None])[0], plan, block_table.numpy().astype(np.int64),
                                  make_jobs(flat, np.float32(scale)), back, tails, np.float32(scale))
             out = torch.from_numpy(np.ascontiguousarray(o.reshape(hk, n, g, d).transpose(1, 0, 2, 3)).reshape(n, hq, d))
@@ -237,6 +238,3 @@ def _numpy(fields: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {name: f.numpy() for name, f in fields.items()}
 
 
-def _host_f32(x: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as a C-contiguous float32 NumPy array (a view when it already is one)."""
-    return np.ascontiguousarray(x.detach().to(torch.float32).numpy())
