@@ -7,7 +7,8 @@ A plan is a JSON object::
      "model": {"name": ..., "layers": 30, "q_heads": 9, "kv_heads": 3, "head_dim": 64, "value_dim": 64},
      "context": 2048, "budget": 2.5, "bits_per_element": 2.49, "calibration_kl": 0.04, ...,
      "cache": {KVQCache keyword arguments: method, residual, fp_layers, fp_key_layers,
-               layer_params, value_layer_params and the method's parameters}}
+               layer_params, value_layer_params (a layer's may name another method) and the
+               method's parameters}}
 
 :meth:`kvq_core.hf.KVQCache.from_plan` builds the cache from it; :func:`check_model` refuses a
 plan made for a model with another layer count or head shapes, and :func:`load_plan` one of a
@@ -82,6 +83,28 @@ def write_plan(plan: Mapping[str, Any], path: str | Path) -> None:
     p.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
 
 
+def layer_codecs(method: str, method_params: Mapping[str, Any], value_method: str | None,
+                 value_params: Mapping[str, Any] | None, over: Mapping[str, Any],
+                 vover: Mapping[str, Any]) -> tuple[str, dict[str, Any], str, dict[str, Any]]:
+    """``(key method, key params, value method, value params)`` of one layer of a ``KVQCache``
+    (``head_dim`` not included), ``over``/``vover`` being its ``layer_params``/``value_layer_params``.
+
+    Without ``"method"`` in them they update the cache-wide codec's parameters. A layer's ``over``
+    naming a ``method`` gives its keys and values that codec with ``over``'s parameters only (the
+    cache-wide parameters belong to another method); a ``vover`` naming one does so for its values.
+    """
+    over, vover = dict(over), dict(vover)
+    kmethod, vmethod = over.pop("method", None), vover.pop("method", None)
+    kparams = over if kmethod is not None else {**method_params, **over}
+    if vmethod is not None:
+        return kmethod or method, kparams, vmethod, vover
+    if kmethod is not None:
+        return kmethod, kparams, kmethod, {**over, **vover}
+    if value_method is None:
+        return method, kparams, method, {**kparams, **(value_params or {}), **vover}
+    return method, kparams, value_method, {**(value_params or {}), **over, **vover}
+
+
 def packed_bits(method: str, params: Mapping[str, Any], kind: str, kv_heads: int, head_dim: int, tokens: int) -> float:
     """Stored bits per element of ``tokens`` tokens packed by ``method`` as ``kind``: every field of
     its layout (codes, norms, scales, padding) over the elements."""
@@ -116,14 +139,14 @@ def cache_bits(cache: Mapping[str, Any], model: Mapping[str, Any], context: int,
     fpk = {int(i) % n for i in cache.get("fp_key_layers", ())}
     bits = 0.0
     for i in range(n):
-        kp = {**base, **over.get(i, {})}
-        vp = {**kp, **(cache.get("value_params") or {}), **vover.get(i, {})}
-        bits += model["head_dim"] * slot_bits(method, None if i in fp or i in fpk else kp, "keys", model, context, residual)
-        bits += model["value_dim"] * slot_bits(method, None if i in fp else vp, "values", model, context, residual)
+        km, kp, vm, vp = layer_codecs(method, base, cache.get("value_method"), cache.get("value_params"),
+                                      over.get(i, {}), vover.get(i, {}))
+        bits += model["head_dim"] * slot_bits(km, None if i in fp or i in fpk else kp, "keys", model, context, residual)
+        bits += model["value_dim"] * slot_bits(vm, None if i in fp else vp, "values", model, context, residual)
     elements = n * (model["head_dim"] + model["value_dim"])  # per token per KV head
     return bits / elements + 8 * extra_bytes / (elements * model["kv_heads"] * context)
 
 
 #: KVQCache keyword arguments of a plan's ``cache`` that are not the method's spec parameters
 CACHE_OPTIONS = ("method", "residual", "flush", "fp_layers", "fp_key_layers", "layer_params", "value_layer_params",
-                 "value_params")
+                 "value_method", "value_params")

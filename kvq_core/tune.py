@@ -2,8 +2,9 @@
 
 Given a model, calibration text and a budget in true bits per K/V element at a context length
 (everything stored counted, :mod:`kvq_core.plan`), the search picks for every layer's keys and
-values one option (a parameter set of the method, e.g. ``bits=2``; keys may also stay exact) and
-one exact recent window for the cache, to minimise the KL divergence of the next-token
+values one option (a parameter set of the method, e.g. ``bits=2``, or with OScaR a group size,
+``bits=2,value_group=32``; or another method with its own parameters, ``method=octopus,bits=2``;
+keys may also stay exact) and one exact recent window for the cache, to minimise the KL divergence of the next-token
 distribution to the full-precision model. The protocol is ``kvq eval ppl``'s: a ``context -
 score`` token prefix prefilled exactly into the cache, then ``score`` tokens teacher-forced in the
 cache's flush blocks, each query seeing what decoding token by token sees; KL(fp || cache) per
@@ -77,6 +78,31 @@ def parse_params(text: str) -> Option:
         k, v = (s.strip() for s in item.split("=", 1))
         out[k] = _value(v)
     return out
+
+
+def option_codec(method: str, base: Option, opt: Option) -> tuple[str, Option]:
+    """``(method, parameters)`` of a slot option: one naming ``method=`` is that codec with its own
+    parameters only; any other is ``method`` with ``base`` updated by it."""
+    if "method" in opt:
+        return opt["method"], {k: v for k, v in opt.items() if k != "method"}
+    return method, {**base, **opt}
+
+
+def has_seed(method: str) -> bool:
+    """Whether ``method`` draws a rotation from a ``seed`` (what ``--fit-seeds`` fits)."""
+    from kvq_core.registry import make_spec
+
+    return "seed" in make_spec(method).to_dict()
+
+
+def slot_cost(method: str, base: Option, opt: Option | None, kind: str, model: Mapping[str, Any], context: int,
+              residual: int, seed_bits: float) -> float:
+    """True bits per element of one slot stored with ``opt`` (None: exact), a fitted seed's
+    ``seed_bits`` included where the option's method has a seed."""
+    if opt is None:
+        return slot_bits(method, None, kind, model, context, residual)
+    m, params = option_codec(method, base, opt)
+    return slot_bits(m, params, kind, model, context, residual) + (seed_bits if has_seed(m) else 0.0)
 
 
 def option_key(opt: Option | None) -> str:
@@ -264,10 +290,9 @@ def trial_kwargs(method: str, base: Option, n_layers: int, layer: int, kind: str
                  flush: str) -> dict[str, Any]:
     """KVQCache arguments quantizing only ``layer``'s keys or values with ``opt`` (all else exact)."""
     others = [i for i in range(n_layers) if i != layer]
-    kw: dict[str, Any] = {"residual": residual, "flush": flush, "fp_layers": others}
-    if kind == "keys":
-        return {**kw, "method": method, **base, **opt, "value_method": "fp16"}
-    return {**kw, "method": method, **base, "fp_key_layers": [layer], "value_params": dict(opt)}
+    m, params = option_codec(method, base, opt)
+    kw: dict[str, Any] = {"residual": residual, "flush": flush, "fp_layers": others, "method": m, **params}
+    return {**kw, "value_method": "fp16"} if kind == "keys" else {**kw, "fp_key_layers": [layer]}
 
 
 def plan_cache(method: str, base: Option, residual: int, choice: Mapping[tuple[int, str], Option | None],
@@ -275,11 +300,18 @@ def plan_cache(method: str, base: Option, residual: int, choice: Mapping[tuple[i
     """The plan's KVQCache arguments for per-slot ``choice`` ({(layer, kind): option or None=exact})."""
     fp_layers = [i for i in range(n_layers) if choice[(i, "keys")] is None and choice[(i, "values")] is None]
     fp_keys = [i for i in range(n_layers) if choice[(i, "keys")] is None and i not in fp_layers]
+    values: dict[str, Option] = {}
+    for i in range(n_layers):
+        k, v = choice[(i, "keys")], choice[(i, "values")]
+        if v is not None and i not in fp_layers:
+            # a layer whose keys name another method gives its values that method too, unless named
+            named = "method" in v or (k is not None and "method" in k)
+            m, params = option_codec(method, base, v)
+            values[str(i)] = {"method": m, **params} if named else dict(v)
     return {
         "method": method, **base, "residual": residual, "fp_layers": fp_layers, "fp_key_layers": fp_keys,
         "layer_params": {str(i): dict(choice[(i, "keys")]) for i in range(n_layers) if choice[(i, "keys")] is not None},
-        "value_layer_params": {str(i): dict(choice[(i, "values")]) for i in range(n_layers)
-                               if choice[(i, "values")] is not None and i not in fp_layers},
+        "value_layer_params": values,
     }
 
 
@@ -301,10 +333,12 @@ def sensitivity_table(cal: Calibration, method: str, base: Option, options: Sequ
                 x = (shared.layers[i].keys if k == "keys" else shared.layers[i].values).detach().numpy()
                 gs = [g[k][i] for g in grads]
                 for o in options:
+                    m, params = option_codec(method, base, o)
+                    seeded, delta = has_seed(m), None
                     for s in seeds:
                         bar.set_postfix_str(f"window {wi}: layer {i} {k} {option_key(o)}")
-                        params = {**base, **o, **({} if s is None else {"seed": s})}
-                        delta = quantization_error(method, params, k, x, i)
+                        if delta is None or seeded:  # an option without a seed has one error for every seed
+                            delta = quantization_error(m, {**params, **({} if s is None else {"seed": s})}, k, x, i)
                         for r in residuals:
                             key = f"{r}|{i}|{k}|{option_key(o)}|{s}"
                             kl = fisher_kl(gs, delta, max(cal.prefix - r, 0), cal.score)
@@ -335,25 +369,25 @@ def tune_plans(model: Any, ids: Any, *, budgets: Sequence[float], context: int =
     base = dict(base or {})
     options = [dict(o) for o in (options or [parse_params(o) for o in DEFAULT_OPTIONS])]
     for o in options:
-        make_spec(method, **{**base, **o})  # a bad option fails now, not after the calibration
-    if fit_seeds and "seed" not in make_spec(method).to_dict():
-        raise InputError(f"fit_seeds={fit_seeds}: method {method!r} has no rotation seed to fit")
+        m, params = option_codec(method, base, o)
+        make_spec(m, **params)  # a bad option fails now, not after the calibration
+    if fit_seeds and not any(has_seed(option_codec(method, base, o)[0]) for o in options):
+        raise InputError(f"fit_seeds={fit_seeds}: no option's method ({method!r} or a named one) has a rotation seed to fit")
     ident = model_identity(model.config, model_name)
     n = ident["layers"]
     flush = type(make_spec(method)).default_flush
     # the budget error comes before any work: the cheapest plan of these options (a fitted seed's
     # bytes are part of a quantized slot's cost)
     seed_bits = 8 * SEED_BYTES / (ident["kv_heads"] * context * ident["head_dim"]) if fit_seeds else 0.0
-    cheapest, at = min((sum(min(slot_bits(method, {**base, **o}, k, ident, context, r) for o in options)
-                            for k in KINDS) / len(KINDS) + seed_bits, r) for r in residuals)
+    cheapest, at = min((sum(min(slot_cost(method, base, o, k, ident, context, r, seed_bits) for o in options)
+                            for k in KINDS) / len(KINDS), r) for r in residuals)
     budget = min(budgets)
     if budget < cheapest - 1e-12:
         raise InputError(f"budget {budget:g} bits/element at {context} tokens is below the cheapest plan of these "
                          f"options, {cheapest:.4f} bits/element (the cheapest option in every slot, residual={at}); "
                          f"pass a budget >= {math.ceil(cheapest * 1e4) / 1e4:.4f}")
     cal = Calibration(model, ids, context, score, windows, backend, progress)
-    has_seed = "seed" in make_spec(method).to_dict()
-    plain: list[int | None] = [make_spec(method).seed if has_seed else None]
+    plain: list[int | None] = [None]  # every method's default seed
     seeds = sorted(set(range(fit_seeds)) | (set(plain) if unfitted or not fit_seeds else set()), key=str)
     setup = json.dumps({"model": ident, "text": text_name, "starts": cal.starts, "context": context, "score": score,
                         "method": method, "base": base, "samples": samples}, sort_keys=True)
@@ -406,8 +440,7 @@ def _plan(model: Any, cal: Calibration, table: Mapping[str, float], budget: floa
                 if k == "keys" and exact_keys:
                     choices.append((None, 0.0, None))
                 # a fitted seed's bytes are part of the slot's cost
-                slots.append([(slot_bits(method, None if o is None else {**base, **o}, k, ident, context, r)
-                               + (seed_bits if o is not None else 0.0), kl) for o, kl, _ in choices])
+                slots.append([(slot_cost(method, base, o, k, ident, context, r, seed_bits), kl) for o, kl, _ in choices])
                 labels.append((i, k, choices))
         try:
             pick, total = allocate(slots, budget)
@@ -422,12 +455,12 @@ def _plan(model: Any, cal: Calibration, table: Mapping[str, float], budget: floa
     slot_info = []
     for (i, k, choices), j in zip(labels, pick):
         o, kl, s = choices[j]
-        if o is not None and fitted:
+        if o is not None and fitted and has_seed(option_codec(method, base, o)[0]):
             o = {**o, "seed": int(s)}
         choice[(i, k)] = o
         slot_info.append({"layer": i, "kind": k, "option": option_key(o), "predicted_kl": kl})
     cache = plan_cache(method, base, r, choice, n)
-    extra = SEED_BYTES * sum(o is not None for o in choice.values()) if fitted else 0
+    extra = SEED_BYTES * sum(o is not None and "seed" in o for o in choice.values()) if fitted else 0
     bits = cache_bits(cache, ident, context, extra)
     t1 = time.perf_counter()
     if progress:
@@ -482,7 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default=DEFAULT_METHOD, help=f"kvq method (default {DEFAULT_METHOD})")
     p.add_argument("--params", default=DEFAULT_PARAMS, help=f"method parameters of every slot (default {DEFAULT_PARAMS})")
     p.add_argument("--options", nargs="+", default=list(DEFAULT_OPTIONS), metavar="K=V[,K=V]",
-                   help=f"per-slot parameter sets to choose from (default {' '.join(DEFAULT_OPTIONS)})")
+                   help=f"per-slot parameter sets to choose from (default {' '.join(DEFAULT_OPTIONS)}); one naming "
+                        "method= is that codec with its own parameters (e.g. method=octopus,bits=2), --params "
+                        "apply to --method's options only")
     p.add_argument("--residuals", nargs="+", type=int, default=[32], help="exact windows to try (default 32)")
     p.add_argument("--no-exact-keys", action="store_true", help="never keep a layer's keys exact")
     p.add_argument("--fit-seeds", type=int, default=0, metavar="N",

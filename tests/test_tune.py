@@ -144,7 +144,7 @@ def test_the_search_holds_the_budget_and_upgrades_the_most_sensitive_slot(planne
     assert plan["search"]["table_cached"]  # the planned fixture's table covers this search
     assert plan["bits_per_element"] <= budget
     (table,) = TableCache(tmp / "table.json").data.values()
-    gain = {(i, k): table[f"0|{i}|{k}|bits=2|0"] - table[f"0|{i}|{k}|bits=3|0"]
+    gain = {(i, k): table[f"0|{i}|{k}|bits=2|None"] - table[f"0|{i}|{k}|bits=3|None"]
             for i in range(ident["layers"]) for k in KINDS}
     upgraded = [(s["layer"], s["kind"]) for s in plan["slots"] if s["option"].startswith("bits=3")]
     assert upgraded == [max(gain, key=gain.get)]
@@ -178,3 +178,45 @@ def test_an_eval_config_names_a_plan(planned) -> None:
     assert (cfg.kind, cfg.label, cfg.params) == ("plan", "tuned", {"path": str(path)})
     with pytest.raises(ValueError, match="path=FILE"):
         parse_config("plan:bits=2")
+
+
+def test_a_layer_may_name_another_method_for_its_keys_or_values(model) -> None:
+    from kvq_core.hf import KVQCache
+
+    cache = KVQCache(model.config, "turboquant", bits=2, norm_correction=True,
+                     layer_params={1: {"method": "octopus", "bits": 3}},
+                     value_layer_params={0: {"method": "oscar", "bits": 2, "value_group": 16}})
+    (a, b) = cache.kvq_layers
+    assert (a.key_spec.method, a.key_spec.bits, a.key_spec.norm_correction) == ("turboquant", 2, True)
+    assert (a.value_spec.method, a.value_spec.value_group) == ("oscar", 16)
+    # a layer naming another method takes only its own parameters, for keys and values
+    assert (b.key_spec.method, b.key_spec.bits, b.value_spec.method, b.value_spec.bits) == ("octopus", 3, "octopus", 3)
+
+
+def test_options_may_name_another_method_and_the_plan_holds_the_budget(model, ids, tmp_path) -> None:
+    """A search over TurboQuant bits and OCTOPUS b=2 (another method, its own parameters): every
+    slot gets one of them, the plan's cache builds each slot's codec, and its true bits are what
+    that cache stores."""
+    from kvq_core.eval.caches import CacheConfig, steady_bits
+    from kvq_core.eval.ppl import token_elements
+    from kvq_core.hf import KVQCache
+
+    # at these tiny dims OCTOPUS b=2 costs 5.02 bits per element and TurboQuant b=4 5.52: 5.3 mixes them
+    options = [{"bits": 4}, {"method": "octopus", "bits": 2}]
+    plan = tune(model, ids, budget=5.3, context=CONTEXT, score=SCORE, windows=1, options=options, residuals=[0],
+                exact_keys=False, fit_seeds=2, base={"norm_correction": True}, cache_file=None, progress=False)
+    chosen = {s["option"].rsplit(",seed=", 1)[0] for s in plan["slots"]}
+    assert chosen == {"bits=4", "bits=2,method=octopus"}
+    cache = KVQCache(model.config, **plan["cache"])
+    by_slot = {(s["layer"], s["kind"]): s["option"] for s in plan["slots"]}
+    for layer in cache.kvq_layers:
+        for kind, spec in (("keys", layer.key_spec), ("values", layer.value_spec)):
+            named = "method=octopus" in by_slot[(layer.layer_idx, kind)]
+            assert spec.method == ("octopus" if named else "turboquant")
+            assert named or spec.norm_correction  # the base parameters reach the base method's slots only
+    with torch.no_grad():
+        model(ids[:, :CONTEXT], cache=cache, use_cache=True)
+    stored = steady_bits(cache, CacheConfig("plan", "plan"), CONTEXT, token_elements(model.config))
+    assert cache_bits(plan["cache"], plan["model"], CONTEXT) == pytest.approx(stored, rel=1e-9)
+    assert plan["bits_per_element"] == pytest.approx(cache_bits(plan["cache"], plan["model"], CONTEXT, plan["extra_bytes"]))
+    assert plan["extra_bytes"] == 4 * sum("seed=" in o for o in by_slot.values()) and plan["bits_per_element"] <= 5.3

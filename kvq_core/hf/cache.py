@@ -31,6 +31,7 @@ from kvq_core.hf.accounting import KVQMemoryWarning, dynamic_cache_nbytes, memor
 from kvq_core.hf.flush import FLUSH_MODES
 from kvq_core.hf.layer import ATTENTION_MODES, CHUNK_MODES, WINDOW_BITS, KVQLayer, mla_dims, separable, to_torch
 from kvq_core.hf.view import CodesContext
+from kvq_core.plan import layer_codecs
 from kvq_core.registry import make_spec
 
 __all__ = [  # the names this module has always offered, wherever they now live
@@ -129,7 +130,10 @@ class KVQCache(Cache):
         layer_params: ``{layer: {param: value}}`` overrides for keys and values of one layer.
         value_layer_params: ``{layer: {param: value}}`` overrides for the values of one layer,
             applied last (per-layer, per-K/V bit widths: ``layer_params={3: {"bits": 3}},
-            value_layer_params={3: {"bits": 2}}``).
+            value_layer_params={3: {"bits": 2}}``). Either may name a ``"method"``: that layer's
+            keys and values (values) then use that codec with those parameters only
+            (:func:`kvq_core.plan.layer_codecs`), e.g. ``value_layer_params={3: {"method":
+            "octopus", "bits": 2}}``.
         attention: "auto" (codes when the config's attention implementation is "kvq"),
             "dequant" or "codes".
         cache_decoded: keep decoded history per layer in dequant mode (exact, faster, not smaller).
@@ -192,14 +196,12 @@ class KVQCache(Cache):
                     self.exact_layers[i] = "fp_layers" if i in self.fp_layers else (
                         "sliding_layers='exact'" if kind == "sliding_attention" else f"layer type {kind!r}")
                 continue
-            over, vover = layer_params.get(i, {}), value_layer_params.get(i, {})
-            key_params = {**method_params, **over, "head_dim": head_dim}
-            key_spec = make_spec("fp16", head_dim=head_dim) if i in self.fp_key_layers else make_spec(method, **key_params)
-            if value_method is None:
-                value_spec = make_spec(method, **{**key_params, **(value_params or {}), **vover, "head_dim": value_dim})
-            else:
-                value_spec = make_spec(value_method, **{**(value_params or {}), **over, **vover, "head_dim": value_dim})
-            base = value_spec if i in self.fp_key_layers else key_spec
+            km, kp, vm, vp = layer_codecs(method, method_params, value_method, value_params, layer_params.get(i, {}),
+                                          value_layer_params.get(i, {}))
+            fp_keys = i in self.fp_key_layers
+            key_spec = make_spec("fp16", head_dim=head_dim) if fp_keys else make_spec(km, **{**kp, "head_dim": head_dim})
+            value_spec = make_spec(vm, **{**vp, "head_dim": value_dim})
+            base = value_spec if fp_keys else key_spec
             r = residual if residual is not None else type(base).default_residual
             f = flush
             if f is None:
