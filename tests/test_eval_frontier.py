@@ -41,3 +41,15 @@ def test_merge_keeps_a_labels_first_run_and_refuses_other_windows() -> None:
     assert [r["label"] for r in joined["summary"]] == ["fp", "a", "b"]
     with pytest.raises(ValueError, match="windows differ"):
         merge([one, _ppl({"c": ("kvq", 2.0, 1.0, 0.1)}, windows=(5,))], "summary")
+
+
+def test_seed_copies_fold_into_their_group_and_take_the_groups_recall() -> None:
+    ppl = _ppl({"fp": ("fp", 16.0, 0.0, 0.0), "a@seed0": ("kvq", 2.4, 4.0, 0.04), "a@seed1": ("kvq", 2.4, 8.0, 0.06)})
+    for r in ppl["summary"][1:]:
+        r["group"] = "a"
+    ppl["groups"] = [{"group": "a", "delta_sd": 2.83}]
+    niah = _niah({"fp": [True, True], "a": [True, False]})  # a recall run without --seeds names the group
+    table = {r["label"]: r for r in rows(ppl, niah, 2048)}
+    assert set(table) == {"fp", "a"} and table["a"]["seeds"] == 2
+    assert table["a"]["delta_pct"] == pytest.approx(6.0) and table["a"]["kl"] == pytest.approx(0.05)
+    assert table["a"]["recall"] == pytest.approx(0.5) and table["a"]["passkey_n"] == 2

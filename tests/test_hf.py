@@ -533,6 +533,7 @@ def test_eval_config_parsing_and_chunks(model):
     assert (cfg.label, cfg.kind, cfg.params, cfg.value_params) == ("mine", "kvq", {"bits": 3}, {"bits": 2})
     assert cfg.options == {"residual": 16, "fp_layers": [0, -1]} and cfg.nominal_bits == "K3/V2"
     assert parse_config("oscar:bits=2,token_scaling=false").params == {"bits": 2, "token_scaling": False}
+    assert parse_config("polarquant:level_bits=3;2;2,label=p").params == {"level_bits": [3, 2, 2]}
     assert parse_config("quanto:nbits=2").label == "hf-quanto-int2"
     cache = build_cache(parse_config("octopus:bits=2,residual=32"), model.config)
     assert chunk_plan(parse_config("octopus:bits=2,residual=32"), cache, 1536, 100, None) == [32, 32, 32, 4]

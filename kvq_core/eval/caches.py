@@ -7,7 +7,8 @@ Kinds:
   (``nbits``, ``q_group_size``, ``residual_length``, ``axis_key``, ``axis_value``);
 - any kvq method name: :class:`kvq_core.hf.KVQCache` with the method's parameters plus the
   cache options ``residual``, ``flush``, ``stride``, ``fp_layers``, ``fp_key_layers`` (``;``-separated layer lists),
-  ``value_method`` and ``v.<param>`` (value codec parameters, e.g. ``v.bits=2``);
+  ``value_method`` and ``v.<param>`` (value codec parameters, e.g. ``v.bits=2``); a parameter
+  that is a sequence is written ``;``-separated (``polarquant:level_bits=3;3;3;3;3;3``);
 - ``plan``: the cache of a ``kvq tune`` plan file, ``plan:path=FILE`` (:meth:`KVQCache.from_plan`).
 
 Every kind takes ``label=`` to name the row. Examples::
@@ -31,6 +32,8 @@ WINDOW_BITS = 16
 
 
 def _value(text: str) -> Any:
+    if ";" in text:
+        return [_value(x) for x in text.split(";") if x.strip()]
     low = text.strip().lower()
     if low in ("true", "false"):
         return low == "true"

@@ -53,7 +53,7 @@ def rows(ppl: dict[str, Any], niah: dict[str, Any] | None, context: int) -> list
             row["delta_sd"] = g["delta_sd"]
             row["kl_sd"] = _sd([x["kl"] for x in members if x.get("kl") is not None])
         if niah is not None:
-            labels = [x["label"] for x in members]
+            labels = [x["label"] for x in members] + [name]  # a niah run without --seeds names the group
             for task in ("passkey", "multikey"):
                 hits = [bool(x["correct"]) for x in niah["runs"] if x["label"] in labels and x["task"] == task
                         and x["context"] == context]
