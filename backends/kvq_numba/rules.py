@@ -20,10 +20,12 @@ from collections.abc import Callable
 import numpy as np
 from numba.extending import register_jitable
 
+from kvq_core.math.octahedral import JOINT_NEIGHBOURS
+
 #: zero-point modes: integer (OScaR, QuaRot) and the group minimum (KIVI); kvq_numpy.intquant.
 ZERO_INTEGER, ZERO_MIN = 0, 1
-#: (xi, eta) index offsets joint rounding tries, centre first (kvq_numpy.octopus._NEIGHBOURS)
-NEIGHBOURS = np.array([(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)], np.int64)
+#: the joint rounding's (xi, eta) index offsets as a compile-time constant array
+NEIGHBOURS = np.array(JOINT_NEIGHBOURS, np.int64)
 #: round half to even, float32 -> float32 (the CPU target's; for_target swaps in another target's)
 rint = np.rint
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvq_core.kernels import KernelContext
 from kvq_core.layout import pack_codes, unpack_codes
-from kvq_core.math.octahedral import oct_encode
+from kvq_core.math.octahedral import JOINT_NEIGHBOURS, oct_encode
 from kvq_core.methods.octopus import OctopusSpec
 from kvq_numpy.attention import softmax_attend
 from kvq_numpy.rotation import normalize_rotate, rotate_queries, unrotate, unrotate_output
@@ -17,9 +17,7 @@ from kvq_numpy.rotation import normalize_rotate, rotate_queries, unrotate, unrot
 Consts = dict[str, np.ndarray]
 Fields = dict[str, np.ndarray]
 
-# (xi, eta) index offsets joint rounding tries; the centre comes first so that ties (e.g. an
-# all-zero triplet, where every candidate scores 0) keep the plain indices.
-_NEIGHBOURS = np.array([(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)])
+_NEIGHBOURS = np.array(JOINT_NEIGHBOURS)
 
 
 def _quantize(x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:

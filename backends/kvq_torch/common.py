@@ -33,6 +33,7 @@ import torch
 
 from kvq_core.dispatch.torch_kernels import Consts, Fields, TorchContext
 from kvq_core.dispatch.torch_kernels import TorchMethod as BaseTorchMethod
+from kvq_core.layout import packed_row_bytes
 from kvq_core.math.hadamard import hadamard_block
 
 
@@ -57,10 +58,6 @@ class TorchMethod(BaseTorchMethod):
 # --------------------------------------------------------------------------------------------
 # bit packing (kvq_core.layout's rule)
 # --------------------------------------------------------------------------------------------
-def packed_row_bytes(count: int, bits: int) -> int:
-    return (count * bits + 7) // 8
-
-
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned codes ``(..., count)`` (any integer dtype, values < 2**bits) into uint8 rows.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvq_core.math.octahedral import JOINT_NEIGHBOURS
 from kvq_core.methods.octopus import OctopusSpec
 from kvq_torch.common import (
     Consts,
@@ -23,9 +24,6 @@ from kvq_torch.common import (
     unpack_codes,
 )
 from kvq_torch.rotation import normalize_rotate, rotate_queries, sqrt_rn, unrotate, unrotate_output
-
-#: (xi, eta) index offsets joint rounding tries, centre first (the reference's order and tie rule).
-NEIGHBOURS = [(0, 0)] + [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,7 +81,7 @@ def direction_index(t: torch.Tensor, consts: Consts) -> torch.Tensor:
 def neighbour_table(k_xi: int, k_eta: int, device: torch.device) -> torch.Tensor:
     """``[k_xi * k_eta, 9]``: for each direction index, those of its 3x3 index neighbourhood
     (clamped to the codebooks, centre first: the reference's candidate order)."""
-    offsets = torch.tensor(NEIGHBOURS, device=device)
+    offsets = torch.tensor(JOINT_NEIGHBOURS, device=device)
     i_xi = torch.arange(k_xi, device=device).repeat_interleave(k_eta).unsqueeze(-1)
     i_eta = torch.arange(k_eta, device=device).repeat(k_xi).unsqueeze(-1)
     c_xi = torch.clamp(i_xi + offsets[:, 0], 0, k_xi - 1)

@@ -9,7 +9,12 @@ import numpy as np
 
 from kvq_core.errors import InputError
 
-__all__ = ["oct_encode", "oct_decode", "oct_point_norm", "oct_density"]
+__all__ = ["JOINT_NEIGHBOURS", "oct_encode", "oct_decode", "oct_point_norm", "oct_density"]
+
+#: (xi, eta) codebook index offsets OCTOPUS's joint rounding tries, in this order in every backend:
+#: the centre first, so that ties (e.g. an all-zero triplet, where every candidate scores 0) keep
+#: the plain indices.
+JOINT_NEIGHBOURS = ((0, 0),) + tuple((a, b) for a in (-1, 0, 1) for b in (-1, 0, 1) if (a, b) != (0, 0))
 
 
 def _float(a: np.ndarray) -> np.ndarray:
