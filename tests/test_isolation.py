@@ -91,6 +91,17 @@ def test_a_method_module_that_fails_disables_only_that_method() -> None:
     assert out["error"].startswith("MethodUnavailableError polarquant is unavailable: ModuleNotFoundError")
 
 
+@pytest.mark.parametrize("method", ["polarquant", "qjl", "kivi", "octopus"])
+def test_every_method_module_blocked_takes_down_only_methods_built_on_it(method: str) -> None:
+    """A method's spec and kernel modules blocked: that method is unavailable, and so is any method
+    whose codec contains it (QJL stores its values as KIVI's codec), nothing else (TurboQuant_prod
+    shares only QJL's sign sketch, which lives in kvq_core.math.sketch and the backends' sketch modules)."""
+    out = _probe(f"kvq_core.methods.{method}", f"kvq_numpy.{method}", f"kvq_torch.{method}")
+    contains = {"kivi": {"kivi", "qjl"}}.get(method, {method})
+    down = {m for m, (ok, _) in out["methods"].items() if not ok}
+    assert down == contains, out["methods"]
+
+
 def test_a_kernel_module_that_fails_disables_only_that_backend_method() -> None:
     out = _probe("kvq_numpy.octopus")
     ok, reason, served, problems = out["backends"]["numpy"]

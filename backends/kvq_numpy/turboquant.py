@@ -12,7 +12,7 @@ from kvq_core.kernels import KernelContext
 from kvq_core.layout import pack_codes, unpack_codes
 from kvq_core.methods.turboquant import TurboQuantProdSpec, TurboQuantSpec, codebook_key, thresholds_key
 from kvq_numpy.attention import by_kv_head, from_kv_head, softmax_attend, softmax_over_logits
-from kvq_numpy.qjl import encode_signs, qjl_reconstruct, qjl_scores, sketch
+from kvq_numpy.sketch import encode_signs, qjl_reconstruct, qjl_scores, sketch
 from kvq_numpy.rotation import normalize_rotate, rotate, rotate_queries, unrotate, unrotate_output
 
 Consts = dict[str, np.ndarray]

@@ -26,7 +26,7 @@ from kvq_torch.common import (
     softmax_combine,
     unpack_codes,
 )
-from kvq_torch.qjl import encode_signs, qjl_reconstruct, qjl_scores, sketch
+from kvq_torch.sketch import encode_signs, qjl_reconstruct, qjl_scores, sketch
 from kvq_torch.rotation import by_kv_head, from_kv_head, norm, normalize_rotate, rotate, rotate_queries, unrotate, unrotate_output
 
 

@@ -42,7 +42,7 @@ import numpy as np
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
 from kvq_core.math.codebooks import MAX_BITS, coordinate_codebook
 from kvq_core.math.signs import random_signs
-from kvq_core.methods.qjl import ROTATION_STREAM, SEED_MAX, SKETCHES, haar_orthogonal, head_rng, sketches
+from kvq_core.math.sketch import ROTATION_STREAM, SEED_MAX, SKETCHES, haar_orthogonal, head_rng, sketches
 from kvq_core.spec import MethodSpec
 
 ROTATIONS = ("hadamard", "haar")
