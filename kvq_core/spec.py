@@ -107,13 +107,6 @@ class MethodSpec:
         if getattr(self, param) not in choices:
             self._fail(param, "one of " + ", ".join(repr(c) for c in choices))
 
-    def _check_float(self, param: str, lo: float, hi: float, lo_open: bool = False) -> None:
-        value = getattr(self, param)
-        ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
-        if not ok or not (lo < value <= hi if lo_open else lo <= value <= hi):
-            self._fail(param, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
-        object.__setattr__(self, param, float(value))
-
     def _check_bool(self, param: str) -> None:
         if not isinstance(getattr(self, param), bool):
             self._fail(param, "True or False")

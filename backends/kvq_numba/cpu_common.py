@@ -26,28 +26,6 @@ def half_to_float(h: np.uint16) -> np.float32:
     return -v if u & 0x8000 else v
 
 
-@njit(fastmath=True, cache=True)
-def halves_to_floats(src, dst) -> None:
-    """``dst[:] = float32(src[:])`` for float16 bits ``src`` (uint16, 1-D): exact, vectorisable.
-
-    Normal numbers by re-biasing the bits in an int32 view of ``dst``; zeros and subnormals
-    (exponent field 0) fixed up in a second pass; Inf/NaN keep their class.
-    """
-    di = dst.view(np.int32)
-    n = src.shape[0]
-    for c in range(n):
-        h = np.int32(src[c])
-        bits = ((h & 0x8000) << 16) | (((h & 0x7FFF) << 13) + 0x38000000)
-        if h & 0x7C00 == 0x7C00:
-            bits |= 0x7F800000
-        di[c] = bits
-    for c in range(n):
-        h = np.int32(src[c])
-        if h & 0x7C00 == 0:
-            v = np.float32(h & 0x3FF) * np.float32(2.0**-24)
-            dst[c] = -v if h & 0x8000 else v
-
-
 @njit(inline="always", cache=True)
 def _sum_squares_block(a, lo, n) -> np.float32:
     """NumPy's pairwise-sum leaf (n <= 128) over ``a[lo:lo+n] ** 2``: 8 running sums, then the rest."""

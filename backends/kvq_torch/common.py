@@ -334,9 +334,3 @@ def softmax_combine(
     out = torch.matmul(p / denom, v)
     lse = (m + torch.log(denom)).squeeze(-1)
     return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
-
-
-def per_kv_head(fn: Any, x: torch.Tensor, kv_heads: Any) -> torch.Tensor:
-    """Apply ``fn`` to ``x [b, q_heads, q_len, d]`` viewed as ``[b, kv_heads, g*q_len, d]``."""
-    b, _, _, d = x.shape
-    return fn(x.reshape(b, kv_heads, -1, d)).reshape(x.shape)

@@ -103,12 +103,6 @@ def consts_for(spec_json: str, kv_heads: int, layer: int, device: torch.device |
     return _consts_cache[key]
 
 
-def clear_caches() -> None:
-    """Forget cached constant tensors (e.g. to free device memory)."""
-    with _cache_lock:
-        _consts_cache.clear()
-
-
 def field_names(spec: MethodSpec, kind: str) -> tuple[str, ...]:
     """Field names of ``kind`` ("keys"/"values") in layout order (they do not depend on the shape)."""
     make = spec.key_layout if kind == "keys" else spec.value_layout
