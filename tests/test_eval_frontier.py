@@ -48,8 +48,11 @@ def test_seed_copies_fold_into_their_group_and_take_the_groups_recall() -> None:
     for r in ppl["summary"][1:]:
         r["group"] = "a"
     ppl["groups"] = [{"group": "a", "delta_sd": 2.83}]
+    for c in ppl["configs"][1:]:
+        c["group"] = "a"
     niah = _niah({"fp": [True, True], "a": [True, False]})  # a recall run without --seeds names the group
-    table = {r["label"]: r for r in rows(ppl, niah, 2048)}
+    table = {r["label"]: r for r in rows(merge([ppl], "summary"), niah, 2048)}
+    assert table["a"]["delta_sd"] == 2.83  # the seed group's spread survives the merge
     assert set(table) == {"fp", "a"} and table["a"]["seeds"] == 2
     assert table["a"]["delta_pct"] == pytest.approx(6.0) and table["a"]["kl"] == pytest.approx(0.05)
     assert table["a"]["recall"] == pytest.approx(0.5) and table["a"]["passkey_n"] == 2

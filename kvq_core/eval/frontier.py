@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from kvq_core.results import out_help, results_dir
 
 OUT_NAME = "frontier.json"
+MARKERS = "osD^v<>pPXh"  # per family, so that a colour the cycle repeats is still told apart; plans are stars
 
 
 def rows(ppl: dict[str, Any], niah: dict[str, Any] | None, context: int) -> list[dict[str, Any]]:
@@ -81,7 +83,8 @@ def merge(results: list[dict[str, Any]], rows_key: str) -> dict[str, Any]:
         new = {c["label"] for c in r["configs"]} - seen
         out["configs"] += [c for c in r["configs"] if c["label"] in new]
         out[rows_key] += [x for x in r[rows_key] if x["label"] in new]
-        out["groups"] += [g for g in r.get("groups", []) if g["group"] in new]
+        named = {c.get("group") for c in r["configs"] if c["label"] in new}  # seed copies name their group
+        out["groups"] += [g for g in r.get("groups", []) if g["group"] in new | named]
         seen |= new
     return out
 
@@ -131,27 +134,37 @@ def format_table(table: list[dict[str, Any]], goal: dict[str, float], context: i
     return "\n".join(lines)
 
 
+def family(label: str) -> str:
+    """The line a row belongs to: its label without the bit width (``turboquant-2[residual=32]`` ->
+    ``turboquant[residual=32]``, ``tuned-2.5-mixed`` -> ``tuned-mixed``); a label without one
+    (``polarquant-paper``, ``kvq-best``) is its own family."""
+    m = re.fullmatch(r"(.*?)-\d+(?:\.\d+)?(-[A-Za-z]+)?(\[.*\])?", label)
+    return label if m is None else m.group(1) + (m.group(2) or "") + (m.group(3) or "")
+
+
 def plot(table: list[dict[str, Any]], png: Path, goal: dict[str, float], title: str) -> None:
-    """Three panels against true bits: Δ PPL, KL and recall; tuned plans as stars, the goal shaded."""
-    from kvq_core.eval.report import _family, _plt
+    """Three panels against true bits: Δ PPL, KL and recall, one line per :func:`family`; tuned
+    plans as stars, the goal shaded."""
+    from kvq_core.eval.report import _plt
 
     plt = _plt()
     fp = next((r for r in table if r["kind"] == "fp"), None)
     panels = [("delta_pct", "Δ PPL vs fp (%)", goal["ppl"]), ("kl", "KL vs fp (nats/token)", goal["kl"]),
               ("recall", "passkey+multikey recall", None)]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
     families: dict[str, list[dict[str, Any]]] = {}
     for r in table:
         if r["kind"] not in ("fp",):
-            families.setdefault("tuned plan" if r["kind"] == "plan" else _family(r["label"]), []).append(r)
+            families.setdefault(family(r["label"]), []).append(r)
     for ax, (key, name, limit) in zip(axes, panels):
-        for fam, rs in sorted(families.items()):
+        for n, (fam, rs) in enumerate(sorted(families.items())):
             rs = sorted((r for r in rs if r.get(key) is not None), key=lambda r: r["true_bits"])
             if not rs:
                 continue
-            star = fam == "tuned plan"
-            ax.plot([r["true_bits"] for r in rs], [r[key] for r in rs], marker="*" if star else "o",
-                    markersize=12 if star else 5, linestyle="-" if not star else ":", label=fam)
+            star = rs[0]["kind"] == "plan"
+            ax.plot([r["true_bits"] for r in rs], [r[key] for r in rs], marker="*" if star else MARKERS[n % len(MARKERS)],
+                    markersize=12 if star else 5, linestyle="-" if not star else ":", label=fam,
+                    color=f"C{n % 10}" if n < 10 else plt.cm.tab20(n % 20))
             for r in rs:
                 sd = r.get("delta_sd" if key == "delta_pct" else "kl_sd" if key == "kl" else "")
                 if sd:
@@ -167,7 +180,7 @@ def plot(table: list[dict[str, Any]], png: Path, goal: dict[str, float], title: 
         ax.set_xlabel("true bits per element (everything stored)")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -219,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(md + (f"\n![frontier]({out.with_suffix('.png').name})\n" if not args.no_plot else ""),
                                       encoding="utf-8")
     if not args.no_plot:
-        plot(table, out.with_suffix(".png"), goal, source)
+        title = (f"{ppl['model']['name']}: PPL/KL on {len(proto['windows'])} windows of {proto['prefix']}+{proto['score']} "
+                 f"tokens" + (f", recall at {args.context} tokens" if niah is not None else "") + " (text: see frontier.md)")
+        plot(table, out.with_suffix(".png"), goal, title)
     print(format_table(table, goal, args.context))
     return 0
 
