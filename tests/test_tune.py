@@ -40,7 +40,7 @@ def ids():
 
 def _tune(model, ids, budget, tmp_path, **kw):
     return tune(model, ids, budget=budget, context=CONTEXT, score=SCORE, windows=1, options=OPTIONS,
-                residuals=kw.pop("residuals", [0]), exact_keys=kw.pop("exact_keys", False),
+                residuals=kw.pop("residuals", [0]), exact_keys=kw.pop("exact_keys", False), refine=kw.pop("refine", 0),
                 cache_file=tmp_path / "table.json", progress=False, text_name="random ids", **kw)
 
 
@@ -220,3 +220,16 @@ def test_options_may_name_another_method_and_the_plan_holds_the_budget(model, id
     assert cache_bits(plan["cache"], plan["model"], CONTEXT) == pytest.approx(stored, rel=1e-9)
     assert plan["bits_per_element"] == pytest.approx(cache_bits(plan["cache"], plan["model"], CONTEXT, plan["extra_bytes"]))
     assert plan["extra_bytes"] == 4 * sum("seed=" in o for o in by_slot.values()) and plan["bits_per_element"] <= 5.3
+
+
+def test_refinement_keeps_a_plan_only_when_its_measured_kl_falls(planned, model, ids) -> None:
+    """``refine``: every chosen slot's KL measured alone rescales its predictions and the knapsack
+    re-allocates; the plan returned is never worse, by measured calibration KL, than the first."""
+    _, _, tmp = planned
+    first = _tune(model, ids, 4.5, tmp, residuals=[0, 8])
+    refined = _tune(model, ids, 4.5, tmp, residuals=[0, 8], refine=2)
+    rounds = refined["search"]["refine"]
+    assert 1 <= len(rounds) <= 2 and all(r["calibration_kl"] >= 0 for r in rounds)
+    assert refined["calibration_kl"] <= first["calibration_kl"]
+    assert refined["calibration_kl"] == min([first["calibration_kl"]] + [r["calibration_kl"] for r in rounds])
+    assert refined["bits_per_element"] <= 4.5
