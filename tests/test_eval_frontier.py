@@ -56,3 +56,14 @@ def test_seed_copies_fold_into_their_group_and_take_the_groups_recall() -> None:
     assert set(table) == {"fp", "a"} and table["a"]["seeds"] == 2
     assert table["a"]["delta_pct"] == pytest.approx(6.0) and table["a"]["kl"] == pytest.approx(0.05)
     assert table["a"]["recall"] == pytest.approx(0.5) and table["a"]["passkey_n"] == 2
+
+
+def test_a_folder_of_results_under_other_names_gets_no_empty_summary(tmp_path) -> None:
+    """``kvq eval ... --out folder/ppl.json`` (the frontier's inputs): no eval_summary.md with an
+    empty table and links to files that are not there."""
+    import json
+
+    from kvq_core.eval.report import SUMMARY_MD, write_summary
+
+    (tmp_path / "ppl.json").write_text(json.dumps(_ppl({"fp": ("fp", 16.0, 0.0, 0.0)})))
+    assert write_summary(tmp_path) is None and not (tmp_path / SUMMARY_MD).exists()

@@ -314,15 +314,19 @@ def write_niah_report(data: dict[str, Any], out_json: Path) -> None:
 
 # -- combined summary -------------------------------------------------------------------------
 def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str = "eval_niah.json",
-                  niah_2k_name: str = "eval_niah_2k.json", seeds_name: str = "eval_ppl_seeds.json") -> Path:
+                  niah_2k_name: str = "eval_niah_2k.json", seeds_name: str = "eval_ppl_seeds.json") -> Path | None:
     """Join PPL and NIAH results per configuration label into ``eval_summary.md``.
 
     The per-task recall columns at 2k come from ``eval_niah_2k.json`` (more trials) when present;
-    the seed study (``eval_ppl_seeds.json``), when present, is appended as its own table.
+    the seed study (``eval_ppl_seeds.json``), when present, is appended as its own table. A folder
+    holding neither ``ppl_name`` nor ``niah_name`` (results written under other names) gets no
+    summary: it would be an empty table. Returns the summary's path, or None.
     """
     folder = Path(folder)
     ppl = json.loads((folder / ppl_name).read_text()) if (folder / ppl_name).exists() else None
     niah = json.loads((folder / niah_name).read_text()) if (folder / niah_name).exists() else None
+    if ppl is None and niah is None:
+        return None
     niah2k = json.loads((folder / niah_2k_name).read_text()) if (folder / niah_2k_name).exists() else None
     rows: dict[str, dict[str, Any]] = {}
     for r in (ppl or {}).get("summary", []):
@@ -365,8 +369,10 @@ def write_summary(folder: Path, ppl_name: str = "eval_ppl.json", niah_name: str 
         md += ["Rotation codecs over sign seeds " + str(seeds["protocol"].get("seeds")) + " on the same windows "
                "(Δ vs fp as mean ± sd over seeds; KL vs fp in 10⁻³ nats per token; "
                f"[details]({Path(seeds_name).with_suffix('.md').name})):", "", format_group_table(seeds["groups"]), ""]
-    md += ["Details: [perplexity](eval_ppl.md), [needle in a haystack](eval_niah.md)"
-           + (", [needle at 2k, more trials](eval_niah_2k.md)" if niah2k else "")
+    details = ([f"[perplexity]({Path(ppl_name).with_suffix('.md').name})"] if ppl else []) + \
+        ([f"[needle in a haystack]({Path(niah_name).with_suffix('.md').name})"] if niah else []) + \
+        ([f"[needle at 2k, more trials]({Path(niah_2k_name).with_suffix('.md').name})"] if niah2k else [])
+    md += ["Details: " + ", ".join(details)
            + "; protocol and findings in [docs/eval.md](../../docs/eval.md).", ""]
     path = folder / SUMMARY_MD
     path.write_text("\n".join(md))
