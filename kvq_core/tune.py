@@ -4,11 +4,12 @@ Given a model, calibration text and a budget in true bits per K/V element at a c
 (everything stored counted, :mod:`kvq_core.plan`), the search picks for every layer's keys and
 values one option (a parameter set of the method, e.g. ``bits=2``, or with OScaR a group size,
 ``bits=2,value_group=32``; or another method with its own parameters, ``method=octopus,bits=2``;
-keys may also stay exact) and one exact recent window for the cache, to minimise the KL divergence of the next-token
-distribution to the full-precision model. The protocol is ``kvq eval ppl``'s: a ``context -
-score`` token prefix prefilled exactly into the cache, then ``score`` tokens teacher-forced in the
-cache's flush blocks, each query seeing what decoding token by token sees; KL(fp || cache) per
-scored token, averaged over ``--windows`` windows of the calibration text.
+keys, and with ``--exact keys values`` values too, may stay exact: both, an exact layer) and one
+exact recent window for the cache, to minimise the KL divergence of the next-token distribution
+to the full-precision model. The protocol is ``kvq eval ppl``'s: a ``context - score`` token
+prefix prefilled exactly into the cache, then ``score`` tokens teacher-forced in the cache's flush
+blocks, each query seeing what decoding token by token sees; KL(fp || cache) per scored token,
+averaged over ``--windows`` windows of the calibration text.
 
 Search:
 
@@ -69,7 +70,7 @@ KINDS = ("keys", "values")
 SEED_BYTES = 4  # a fitted rotation seed, stored per quantized slot
 UNITS_PER_BIT = 64  # the knapsack's bit grid (costs rounded up)
 
-Option = dict[str, Any]  # a method parameter set; None stands for exact (16-bit) keys
+Option = dict[str, Any]  # a method parameter set; None stands for exact (16-bit) keys or values
 
 
 def parse_params(text: str) -> Option:
@@ -308,7 +309,9 @@ def plan_cache(method: str, base: Option, residual: int, choice: Mapping[tuple[i
     values: dict[str, Option] = {}
     for i in range(n_layers):
         k, v = choice[(i, "keys")], choice[(i, "values")]
-        if v is not None and i not in fp_layers:
+        if v is None and i not in fp_layers:
+            values[str(i)] = {"method": "fp16"}  # exact values beside quantized keys
+        elif v is not None and i not in fp_layers:
             # a layer whose keys name another method gives its values that method too, unless named
             named = "method" in v or (k is not None and "method" in k)
             m, params = option_codec(method, base, v)
@@ -361,7 +364,7 @@ def tune(model: Any, ids: Any, *, budget: float, **kwargs: Any) -> dict[str, Any
 
 def tune_plans(model: Any, ids: Any, *, budgets: Sequence[float], context: int = 2048, method: str = DEFAULT_METHOD,
                base: Option | None = None, options: Sequence[Option] = (), residuals: Sequence[int] = (32,),
-               exact_keys: bool = True, score: int = 64, windows: int = 2, samples: int = 2, fit_seeds: int = 0,
+               exact: Sequence[str] = ("keys",), score: int = 64, windows: int = 2, samples: int = 2, fit_seeds: int = 0,
                unfitted: bool = False, check: int = 0, refine: int = 2, backend: str = "auto",
                cache_file: Path | None = None, model_name: str | None = None, text_name: str = "",
                progress: bool = True) -> list[dict[str, Any]]:
@@ -414,7 +417,7 @@ def tune_plans(model: Any, ids: Any, *, budgets: Sequence[float], context: int =
         for b in budgets:
             plans.append(_plan(model, cal, table, b, fitted, list(range(fit_seeds)) if fitted else plain, ident=ident,
                                context=context, method=method, base=base, options=options, residuals=residuals,
-                               exact_keys=exact_keys, samples=samples, fit_seeds=fit_seeds if fitted else 0,
+                               exact=exact, samples=samples, fit_seeds=fit_seeds if fitted else 0,
                                check=check, refine=refine, backend=backend, flush=flush, cached=cached, t_table=t_table,
                                text_name=text_name, progress=progress))
     return plans
@@ -422,7 +425,7 @@ def tune_plans(model: Any, ids: Any, *, budgets: Sequence[float], context: int =
 
 def _plan(model: Any, cal: Calibration, table: Mapping[str, float], budget: float, fitted: bool,
           seeds: Sequence[int | None], *, ident: Mapping[str, Any], context: int, method: str, base: Option,
-          options: Sequence[Option], residuals: Sequence[int], exact_keys: bool, samples: int, fit_seeds: int,
+          options: Sequence[Option], residuals: Sequence[int], exact: Sequence[str], samples: int, fit_seeds: int,
           check: int, refine: int, backend: str, flush: str, cached: bool, t_table: float, text_name: str,
           progress: bool) -> dict[str, Any]:
     """One plan from the sensitivity ``table``: the allocation at ``budget``, verified on ``cal``;
@@ -446,7 +449,7 @@ def _plan(model: Any, cal: Calibration, table: Mapping[str, float], budget: floa
             for i in range(n):
                 for k in KINDS:
                     choices = [(o, *best_seed(r, i, k, o, scale)) for o in options]
-                    if k == "keys" and exact_keys:
+                    if k in exact:  # the slot may stay exact (16 bits); keys and values both: an exact layer
                         choices.append((None, 0.0, None))
                     # a fitted seed's bytes are part of the slot's cost
                     slots.append([(slot_cost(method, base, o, k, ident, context, r, seed_bits), kl) for o, kl, _ in choices])
@@ -517,7 +520,7 @@ def _plan(model: Any, cal: Calibration, table: Mapping[str, float], budget: floa
         "calibrated": {"fit_seeds": fit_seeds, "what": "per-slot rotation seed of the least predicted KL (the "
                        "calibration gradients and K/V)" if fit_seeds else "none"},
         "search": {"method": method, "base": base, "options": [option_key(o) for o in options],
-                   "residuals": list(residuals), "exact_keys": exact_keys, "samples": samples,
+                   "residuals": list(residuals), "exact": list(exact), "samples": samples,
                    "table_cached": cached, "table_seconds": round(t_table, 1),
                    "seconds": round(t_table + time.perf_counter() - t_start, 1),
                    "verify_seconds": round(time.perf_counter() - t1, 1),
@@ -551,7 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "method= is that codec with its own parameters (e.g. method=octopus,bits=2), --params "
                         "apply to --method's options only")
     p.add_argument("--residuals", nargs="+", type=int, default=[32], help="exact windows to try (default 32)")
-    p.add_argument("--no-exact-keys", action="store_true", help="never keep a layer's keys exact")
+    p.add_argument("--exact", nargs="*", choices=KINDS, default=["keys"],
+                   help="which slots may stay exact at 16 bits (default keys; 'keys values' lets whole layers stay exact, "
+                        "an empty list none)")
     p.add_argument("--fit-seeds", type=int, default=0, metavar="N",
                    help="calibrated rotation: per slot the sign seed (of N) of least predicted KL (default off)")
     p.add_argument("--also-unfitted", action="store_true",
@@ -590,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError(f"--out {args.out}: --also-unfitted needs a template naming {{fit}}")
     plans = tune_plans(model, ids, budgets=args.budget, context=args.context, method=args.method,
                        base=parse_params(args.params), options=[parse_params(o) for o in args.options],
-                       residuals=args.residuals, exact_keys=not args.no_exact_keys, score=args.score,
+                       residuals=args.residuals, exact=args.exact, score=args.score,
                        windows=args.windows, samples=args.samples, fit_seeds=args.fit_seeds, unfitted=args.also_unfitted,
                        check=args.check, refine=args.refine, backend=args.backend, cache_file=cache_file,
                        model_name=info["name"],

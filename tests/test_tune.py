@@ -40,7 +40,7 @@ def ids():
 
 def _tune(model, ids, budget, tmp_path, **kw):
     return tune(model, ids, budget=budget, context=CONTEXT, score=SCORE, windows=1, options=OPTIONS,
-                residuals=kw.pop("residuals", [0]), exact_keys=kw.pop("exact_keys", False), refine=kw.pop("refine", 0),
+                residuals=kw.pop("residuals", [0]), exact=kw.pop("exact", ()), refine=kw.pop("refine", 0),
                 cache_file=tmp_path / "table.json", progress=False, text_name="random ids", **kw)
 
 
@@ -204,7 +204,7 @@ def test_options_may_name_another_method_and_the_plan_holds_the_budget(model, id
     # at these tiny dims OCTOPUS b=2 costs 5.02 bits per element and TurboQuant b=4 5.52: 5.3 mixes them
     options = [{"bits": 4}, {"method": "octopus", "bits": 2}]
     plan = tune(model, ids, budget=5.3, context=CONTEXT, score=SCORE, windows=1, options=options, residuals=[0],
-                exact_keys=False, fit_seeds=2, base={"norm_correction": True}, cache_file=None, progress=False)
+                exact=(), fit_seeds=2, base={"norm_correction": True}, cache_file=None, progress=False)
     chosen = {s["option"].rsplit(",seed=", 1)[0] for s in plan["slots"]}
     assert chosen == {"bits=4", "bits=2,method=octopus"}
     cache = KVQCache(model.config, **plan["cache"])
@@ -233,3 +233,24 @@ def test_refinement_keeps_a_plan_only_when_its_measured_kl_falls(planned, model,
     assert refined["calibration_kl"] <= first["calibration_kl"]
     assert refined["calibration_kl"] == min([first["calibration_kl"]] + [r["calibration_kl"] for r in rounds])
     assert refined["bits_per_element"] <= 4.5
+
+
+def test_slots_may_stay_exact_and_a_layer_exact_in_both_is_an_exact_layer(model, ids, tmp_path) -> None:
+    """With keys and values allowed to stay exact, a budget of 16 bits keeps everything exact (every layer in
+    ``fp_layers``); just below it, the cheapest quantized slot is the one given up, and an exact
+    value slot beside quantized keys is stored by the fp16 codec, its bits counted as 16."""
+    from kvq_core.hf import KVQCache
+    from kvq_core.plan import model_identity
+
+    full = _tune(model, ids, 16.0, tmp_path, exact=KINDS)
+    assert full["cache"]["fp_layers"] == list(range(model.config.num_hidden_layers))
+    assert full["bits_per_element"] == pytest.approx(16.0) and full["calibration_kl"] == pytest.approx(0.0, abs=1e-6)
+    ident = model_identity(model.config)
+    step = (16.0 - slot_bits("turboquant", {"bits": 3}, "values", ident, CONTEXT, 0)) / (2 * ident["layers"])
+    one = _tune(model, ids, 16.0 - step, tmp_path, exact=KINDS)
+    quantized = [(s["layer"], s["kind"]) for s in one["slots"] if s["option"] != "exact"]
+    assert len(quantized) == 1 and one["bits_per_element"] <= 16.0 - step + 1e-9
+    layer, kind = quantized[0]
+    cache = KVQCache(model.config, **one["cache"])
+    (quant,) = [x for x in cache.kvq_layers if x.layer_idx == layer]
+    assert (quant.key_spec.method, quant.value_spec.method) == (("turboquant", "fp16") if kind == "keys" else ("fp16", "turboquant"))
