@@ -33,13 +33,14 @@ import numpy as np
 import torch
 
 from kvq_core.constants import constants
-from kvq_core.dispatch.table import PAGED_FALLBACK, paged_kernel
-from kvq_core.kernels import KernelContext, resolve
+from kvq_core.dispatch.run import PAGED_FALLBACK, paged_kernel
+from kvq_core.kernels import KernelContext
 from kvq_core.paged import GROUP, PageLayout, gather_rows
+from kvq_core.registry import kernel_factory
 from kvq_core.spec import MethodSpec
 from kvq_numba import cpu_attend_octopus, cpu_attend_planes, cpu_paged, threads
 from kvq_numba.arrays import as_float32
-from kvq_numba.plugin import KERNELS, supports
+from kvq_numba.plugin import NAME, supports
 
 #: fewest query tokens of a request that take the decode-then-flash path (module docstring)
 DENSE_MIN_QUERY = 16
@@ -61,7 +62,7 @@ class PagedNumba:
 
     def __init__(self, spec: MethodSpec) -> None:
         self.spec, self.spec_json = spec, spec.to_json()
-        self.impl = resolve(KERNELS[spec.method])(spec)
+        self.impl = kernel_factory(NAME, spec.method)(spec)
         ok, _ = supports(spec, "cpu")
         if spec.method == "octopus":
             self.fast = ok

@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from kvq_core.constants import constants
-from kvq_core.dispatch.table import PAGED_FALLBACK, paged_writer
-from kvq_core.kernels import KernelContext, resolve
+from kvq_core.dispatch.run import PAGED_FALLBACK, paged_writer
+from kvq_core.kernels import KernelContext
 from kvq_core.paged import GROUP, HEADS, PageLayout, step_blocks
+from kvq_core.registry import kernel_factory
 from kvq_core.spec import MethodSpec
 from kvq_numba import cpu_paged_write, threads
 from kvq_numba.arrays import as_float32
-from kvq_numba.plugin import KERNELS, supports
+from kvq_numba.plugin import NAME, supports
 
 _STRIPES = {GROUP: cpu_paged_write.GROUP, HEADS: cpu_paged_write.HEADS}
 #: float16 values of an OCTOPUS spec whose values are coded (none)
@@ -37,7 +38,7 @@ class PagedWriteNumba:
 
     def __init__(self, spec: MethodSpec) -> None:
         self.spec, self.spec_json = spec, spec.to_json()
-        self.impl = resolve(KERNELS[spec.method])(spec)
+        self.impl = kernel_factory(NAME, spec.method)(spec)
         self.fast = supports(spec, "cpu")[0]
         self._layouts: dict[tuple[int, int], tuple[PageLayout, np.ndarray]] = {}
         self._octopus: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
