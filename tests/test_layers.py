@@ -1,5 +1,5 @@
 """The core's layers point one way: a reader can go bottom-up, errors -> math -> layout -> spec ->
-methods -> registry -> validate, dispatch (the ``kvq::`` ops) -> api -> integrations, and no
+methods -> registry -> dispatch (the ``kvq::`` ops) -> api, validate -> integrations, and no
 module imports one above it (in-function imports included; type-only imports under
 ``if TYPE_CHECKING`` are exempt)."""
 from __future__ import annotations
@@ -22,8 +22,8 @@ RANKS = {
     "kvq_core.methods": 4,
     "kvq_core.constants": 4,
     "kvq_core.registry": 5,
-    "kvq_core.validate": 6,
     "kvq_core.dispatch": 6,  # the kvq:: ops a Quantizer on a torch_ops backend calls
+    "kvq_core.validate": 7,
     "kvq_core.api": 7,
     "kvq_core": 8,  # integrations: hf, eval, bench, testing, cli, demo, metrics, ...
 }
