@@ -11,7 +11,7 @@ from kvq_core import registry
 from kvq_core.constants import LazyConstants
 from kvq_core.errors import BackendUnavailableError, InputError, SpecError
 from kvq_core.kernels import KernelContext
-from kvq_core.layout import PackedKV, bits_per_element
+from kvq_core.packed import PackedKV, bits_per_element
 from kvq_core.spec import MethodSpec
 from kvq_core.validate import (
     check_attention_finite,

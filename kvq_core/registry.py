@@ -42,7 +42,7 @@ from kvq_core.errors import (
     UnknownMethodError,
 )
 from kvq_core.kernels import ALL_METHODS, ArrayAdapter, BackendInfo, MethodInfo, resolve
-from kvq_core.layout import set_spec_resolver
+from kvq_core.packed import set_spec_resolver
 from kvq_core.spec import MethodSpec
 
 if TYPE_CHECKING:  # pragma: no cover

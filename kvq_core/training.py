@@ -50,7 +50,7 @@ import torch
 
 from kvq_core.api import Quantizer
 from kvq_core.errors import InputError
-from kvq_core.layout import token_separable
+from kvq_core.tokens import token_separable
 
 FLUSH_MODES = ("block", "sliding")  # kvq_core.hf.flush's (this module needs no transformers)
 

@@ -1,7 +1,7 @@
-"""The core's layers point one way: a reader can go bottom-up, errors -> math -> layout -> spec ->
-methods -> registry -> dispatch (the ``kvq::`` ops) -> api, validate -> integrations, and no
-module imports one above it (in-function imports included; type-only imports under
-``if TYPE_CHECKING`` are exempt)."""
+"""The core's layers point one way: a reader can go bottom-up, errors -> math, host arrays ->
+layout -> packed blocks, token join/split, spec -> methods -> registry -> dispatch (the ``kvq::``
+ops) -> api, validate -> integrations, and no module imports one above it (in-function imports
+included; type-only imports under ``if TYPE_CHECKING`` are exempt)."""
 from __future__ import annotations
 
 import ast
@@ -15,7 +15,10 @@ CORE = Path(__file__).resolve().parents[1] / "kvq_core"
 RANKS = {
     "kvq_core.errors": 0,
     "kvq_core.math": 1,
+    "kvq_core.host_arrays": 1,
     "kvq_core.layout": 2,
+    "kvq_core.packed": 3,
+    "kvq_core.tokens": 3,
     "kvq_core.spec": 3,
     "kvq_core.kernels": 3,
     "kvq_core.hookspecs": 3,

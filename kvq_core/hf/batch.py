@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from kvq_core.errors import KVQError
-from kvq_core.layout import PackedKV, inherit_validation
+from kvq_core.packed import PackedKV
+from kvq_core.tokens import inherit_validation
 
 if TYPE_CHECKING:
     from kvq_core.hf.layer import KVQLayer

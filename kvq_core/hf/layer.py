@@ -34,8 +34,9 @@ from kvq_core.hf.decoded import DecodedHistory
 from kvq_core.hf.flush import FLUSH_MODES, encode_range, join_range, plan_crop, window_drop
 from kvq_core.hf.view import step_view
 from kvq_core.hf.window import plan_eviction, view_start
-from kvq_core.layout import PackedKV, concat_tokens, slice_tokens, token_granule, token_separable
+from kvq_core.packed import PackedKV
 from kvq_core.spec import MethodSpec
+from kvq_core.tokens import concat_tokens, slice_tokens, token_granule, token_separable
 
 ATTENTION_MODES = ("auto", "dequant", "codes")
 CHUNK_MODES = ("exact", "decode")
@@ -420,7 +421,7 @@ def separable(key_spec: MethodSpec, value_spec: MethodSpec) -> bool:
 
 def joint_granule(key_spec: MethodSpec, value_spec: MethodSpec) -> int:
     """Token count G such that blocks of whole G-token groups join and split exactly, keys and
-    values alike (:func:`kvq_core.layout.token_granule`; 1 for per-token layouts); 0 if none."""
+    values alike (:func:`kvq_core.tokens.token_granule`; 1 for per-token layouts); 0 if none."""
     found = [token_granule(key_spec, "keys"), token_granule(value_spec, "values")]
     return 0 if None in found else math.lcm(*(g for g, _ in found))
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvq_core.hf.flush import blocks_before
-from kvq_core.layout import PackedKV
+from kvq_core.packed import PackedKV
 
 if TYPE_CHECKING:
     from kvq_core.hf.layer import KVQLayer
