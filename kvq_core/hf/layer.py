@@ -55,6 +55,8 @@ class KVQLayer(DynamicLayer):
 
     ``keys``/``values`` hold the window ``[batch, kv_heads, w, head_dim]``. ``key_spec`` and
     ``value_spec`` may differ (e.g. more bits for keys); attention from codes then decodes.
+    ``rollback`` is the owning :class:`~kvq_core.hf.cache.KVQCache`'s undo of the current step,
+    which :meth:`abort_step` calls (None for a layer used alone).
     """
 
     is_compileable = False
@@ -78,8 +80,6 @@ class KVQLayer(DynamicLayer):
         sliding_window: int | None = None,
         rollback: Callable[[], None] | None = None,
     ) -> None:
-        """``rollback``: the owning :class:`~kvq_core.hf.cache.KVQCache`'s undo of the current
-        step, which :meth:`abort_step` calls (None for a layer used alone)."""
         super().__init__()
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                            or sliding_window < 1):
