@@ -116,7 +116,7 @@ class ArrayAdapter(Protocol):
         """``x`` in the floating dtype named ``dtype`` (e.g. "float16", "bfloat16"), where it exists."""
 
     # Optional: ``concat(xs, axis)`` joins backend arrays (else the core joins through NumPy,
-    # :func:`kvq_core.layout.concat_tokens`); ``device_of(x)`` names the device of an input
+    # :func:`kvq_core.tokens.concat_tokens`); ``device_of(x)`` names the device of an input
     # (None for host arrays) so the registry can ask ``supports(spec, device)`` per call;
     # ``max_abs(x) -> float | None`` is the largest |x| for the underflow check (None: skip it;
     # without the method the core goes through ``to_numpy``).
