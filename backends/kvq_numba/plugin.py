@@ -28,7 +28,7 @@ KERNELS: dict[str, str] = {
 }
 #: methods whose ``kvq::attend_paged`` the numba kernels serve (kvq_numba.paged); the others take torch's
 PAGED_METHODS = ("oscar", "kivi", "octopus")
-#: methods with CUDA kernels, and the largest head_dim their shared rows hold (gpu_common.MAX_D)
+#: methods with CUDA kernels, and the largest head_dim their shared rows hold (gpu.common.MAX_D)
 CUDA_METHODS = ("oscar", "octopus")
 CUDA_MAX_HEAD_DIM = 256
 #: widest OCTOPUS triplet code the kernels read (three bytes from any bit offset)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import fwht_heads, sum_squares
+from kvq_numba.cpu.common import fwht_heads, sum_squares
 
 
 def rotate(x: np.ndarray, inv_sqrt_d: np.float32) -> np.ndarray:
