@@ -294,7 +294,8 @@ class Quantizer:
 
     def fuses_window(self, q: Any) -> bool:
         """Whether :meth:`attend_window` runs for queries like ``q``: the backend has a fused kernel
-        for this spec on ``q``'s device (numba on the CPU for OScaR/KIVI 2- and 4-bit rows, OCTOPUS)."""
+        for this spec on ``q``'s device (numba on the CPU for OScaR/KIVI 2- and 4-bit rows, OCTOPUS and
+        TurboQuant; every torch-tensor backend through one ``kvq::attend_window`` op)."""
         fused = getattr(self.kernels, "fuses_window", None)
         return fused is not None and bool(fused(q))
 

@@ -1,4 +1,5 @@
-"""``Quantizer.attend_window``: packed blocks and an exact window in one kernel call (numba, CPU).
+"""``Quantizer.attend_window``: packed blocks and an exact window in one kernel call (numba on the CPU;
+torch: one ``kvq::attend_window`` op, the reference over the decoded blocks).
 
 Checked against softmax attention in float64 over the NumPy reference's decoded blocks followed
 by the window, causal among the queries (the last ``q_len`` window tokens), with GQA, batch 2,
@@ -9,10 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("numba")
-
-from kvq_core import get_quantizer  # noqa: E402
-from kvq_core.errors import BackendUnavailableError, InputError  # noqa: E402
+from kvq_core import get_quantizer
+from kvq_core.errors import BackendUnavailableError, InputError
 
 CASES = [("oscar", {"bits": 2}), ("oscar", {"bits": 4, "token_scaling": False}), ("kivi", {"bits": 2}),
          ("octopus", {"bits": 3}), ("octopus", {"bits": 2, "values": "fp16"}), ("turboquant", {"bits": 3})]
@@ -36,28 +35,34 @@ def _reference(ref, q, blocks, wk, wv, scale):
 
 @pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{'-'.join(map(str, p.values()))}" for m, p in CASES])
 @pytest.mark.parametrize("q_len", [1, 5])
-def test_attend_window_equals_attention_over_decoded_blocks_and_window(method, params, q_len):
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_attend_window_equals_attention_over_decoded_blocks_and_window(backend, method, params, q_len):
+    pytest.importorskip(backend)
     rng = np.random.default_rng(q_len)
-    fused = get_quantizer(method, "numba", head_dim=64, **params)
+    fused = get_quantizer(method, backend, head_dim=64, **params)
+    host = (lambda x: x) if backend == "numba" else __import__("torch").from_numpy
     ref = get_quantizer(method, "numpy", head_dim=64, **params)
     b, hk, g, d, w = 2, 3, 3, 64, 12
     blocks = []
     for t in (160, 64, 33):
         k = rng.standard_normal((b, hk, t, d), dtype=np.float32)
         v = rng.standard_normal((b, hk, t, d), dtype=np.float32)
-        blocks.append((fused.encode_keys(k), fused.encode_values(v)))
+        blocks.append((fused.encode_keys(host(k)), fused.encode_values(host(v))))
     wk = rng.standard_normal((b, hk, w, d), dtype=np.float32)
     wv = rng.standard_normal((b, hk, w, d), dtype=np.float32)
     q = rng.standard_normal((b, hk * g, q_len, d), dtype=np.float32)
-    assert fused.fuses_window(q)
-    out, lse = fused.attend_window(q, blocks, wk, wv, scale=0.2)
-    want, want_lse = _reference(ref, q, blocks, wk, wv, 0.2)
+    assert fused.fuses_window(host(q))
+    out, lse = fused.attend_window(host(q), blocks, host(wk), host(wv), scale=0.2)
+    out, lse = np.asarray(out), np.asarray(lse)
+    plain = [(pk.map_fields(np.asarray), pv.map_fields(np.asarray)) for pk, pv in blocks]
+    want, want_lse = _reference(ref, q, plain, wk, wv, 0.2)
     assert out.shape == q.shape and lse.shape == q.shape[:3]
     np.testing.assert_allclose(out, want, atol=2e-5)
     np.testing.assert_allclose(lse, want_lse, atol=2e-5)
 
 
 def test_attend_window_checks_its_inputs():
+    pytest.importorskip("numba")
     quant = get_quantizer("oscar", "numba", head_dim=64, bits=2)
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, 2, 40, 64), dtype=np.float32)

@@ -1,8 +1,9 @@
 """The "kvq" attention function's fused decode step and its prefill, on a tiny llama GGUF.
 
 - A codes-mode step with packed blocks makes one ``Quantizer.attend_window`` call per layer
-  (numba on the CPU: every block and the exact window in one online softmax), never a per-block
-  ``attend`` and merge, and its logits equal the merge path's.
+  (numba on the CPU: every block and the exact window in one online softmax; torch: one
+  ``kvq::attend_window`` op, the reference), never a per-block ``attend`` and merge, and its
+  logits equal the merge path's.
 - A step whose K/V are all exact (the prefill) runs transformers' sdpa: no logits materialised.
 """
 from __future__ import annotations
@@ -70,17 +71,18 @@ def _steps(model, cache, ids, prompt):
 
 
 @pytest.mark.parametrize("method,params", FUSED)
-def test_one_kernel_call_per_layer_and_step_equal_to_the_merge_path(model, monkeypatch, method, params):
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_one_kernel_call_per_layer_and_step_equal_to_the_merge_path(model, monkeypatch, backend, method, params):
     ids = _ids(60, seed=3)
     layers = model.config.num_hidden_layers
-    cache = KVQCache(model.config, method, "numba", residual=8, **params)
+    cache = KVQCache(model.config, method, backend, residual=8, **params)
     calls = _Calls(monkeypatch)
     fused = _steps(model, cache, ids, 36)
     steps = ids.shape[1] - 36
     assert len(cache.layers[0].blocks) >= 2  # several blocks (the window flushes every 8 tokens)
     assert calls.n == {"attend": 0, "attend_window": layers * steps}
     monkeypatch.setattr(Quantizer, "fuses_window", lambda self, q: False)  # the per-block attend + merge path
-    merged = _steps(model, KVQCache(model.config, method, "numba", residual=8, **params), ids, 36)
+    merged = _steps(model, KVQCache(model.config, method, backend, residual=8, **params), ids, 36)
     assert calls.n["attend"] >= layers * steps
     assert torch.allclose(fused, merged, atol=1e-4, rtol=1e-4), float((fused - merged).abs().max())
 

@@ -83,6 +83,19 @@ class TorchMethod:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_attend(q.float(), self.decode_keys(kfields, ctx), self.decode_values(vfields, ctx), scale)
 
+    def attend_window(self, q: torch.Tensor, blocks: Sequence[tuple[Fields, Fields, int]], window_k: torch.Tensor,
+                      window_v: torch.Tensor, ctx: TorchContext, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over packed ``blocks`` (``(kfields, vfields, tokens)`` in token order) then the exact
+        window, whose last ``q_len`` tokens are the queries' own, in one softmax: the reference of the
+        fused decode step (:meth:`kvq_core.Quantizer.attend_window`). By default over the decoded blocks."""
+        b, hk, _, d = ctx.shape
+        ks, vs = [], []
+        for kfields, vfields, tokens in blocks:
+            part = ctx._replace(shape=(b, hk, tokens, d))
+            ks.append(self.decode_keys(kfields, part))
+            vs.append(self.decode_values(vfields, part))
+        return window_attend(q, torch.cat([*ks, window_k.float()], 2), torch.cat([*vs, window_v.float()], 2), scale)
+
     def clips(self, kind: str) -> bool:
         """Whether encoding ``kind`` clips: some inputs lie outside the range the codes can
         represent, beyond rounding. False (the default): ``kvq::fake_quant``'s straight-through
@@ -363,6 +376,17 @@ def softmax_attend(
     if token_scale is not None:
         logits = logits * token_scale.to(torch.float32).expand(b, hk, t).unsqueeze(2)
     return softmax_combine(logits * scale, v.to(torch.float32), (b, hq, lq, d))
+
+
+def window_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`softmax_attend` where the last ``q_len`` of the ``t`` tokens are the queries' own:
+    query ``i`` sees tokens ``< t - q_len + i + 1`` (the causal mask of a decode or chunked step)."""
+    b, hq, lq, d = q.shape
+    hk, t = k.shape[1], k.shape[2]
+    logits = torch.matmul(q.to(torch.float32).reshape(b, hk, (hq // hk) * lq, d), k.transpose(-1, -2)) * scale
+    row = torch.arange(lq, device=q.device).repeat(hq // hk)  # grouped rows are (head in group, query)
+    hidden = torch.arange(t, device=q.device)[None, :] > (t - lq + row)[:, None]
+    return softmax_combine(logits.masked_fill(hidden, float("-inf")), v, (b, hq, lq, d))
 
 
 def softmax_combine(

@@ -146,6 +146,11 @@ class CompiledMethod:
         return self._fn("attend", ctx)(_dyn(_f32(q), (1, 2)), self._fields("keys", kfields),
                                        self._fields("values", vfields), ctx.consts, ctx.layer, ctx.shape[2], scale_t)
 
+    def attend_window(self, q: torch.Tensor, blocks: list[tuple[Fields, Fields, int]], window_k: torch.Tensor,
+                      window_v: torch.Tensor, ctx: TorchContext, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference (:meth:`TorchMethod.attend_window`) over blocks decoded by the compiled kernels."""
+        return TorchMethod.attend_window(self, q, blocks, window_k, window_v, ctx, scale)  # type: ignore[arg-type]
+
 
 def compiled(method_cls: type[TorchMethod]) -> Callable[[MethodSpec], CompiledMethod]:
     """The table factory of ``method_cls`` on ``"torch-compiled"``."""

@@ -24,7 +24,7 @@ class OpKernels:
 
         ops = torch.ops.kvq
         self.encode_op, self.decode_op, self.attend_op = ops.encode, ops.decode, ops.attend
-        self.fake_quant_op = ops.fake_quant
+        self.fake_quant_op, self.attend_window_op = ops.fake_quant, ops.attend_window
         self.backend = backend
         self.spec = spec
         self.spec_json = spec.to_json()  # computed here, outside any traced region
@@ -59,3 +59,14 @@ class OpKernels:
         vf = [vfields[n] for n in self.names["values"]]
         return self.attend_op(self.backend, self.spec_json, ctx.layer, q, kf, vf, list(ctx.shape), float(scale))
 
+    def fuses_window(self, q: Any) -> bool:
+        """Every torch-tensor kernel class has ``attend_window`` (at least :class:`kvq_torch.common.TorchMethod`'s
+        reference over the decoded blocks), served by one ``kvq::attend_window`` op."""
+        return True
+
+    def attend_window(self, q: Any, blocks: list[tuple[dict[str, Any], dict[str, Any], int]], window_k: Any,
+                      window_v: Any, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
+        kf = [kfields[n] for kfields, _, _ in blocks for n in self.names["keys"]]
+        vf = [vfields[n] for _, vfields, _ in blocks for n in self.names["values"]]
+        return self.attend_window_op(self.backend, self.spec_json, ctx.layer, q, kf, vf, [t for _, _, t in blocks],
+                                     window_k, window_v, float(scale))

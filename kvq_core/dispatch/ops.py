@@ -9,6 +9,9 @@ up in the registry (:mod:`kvq_core.registry`)::
                 int head_offset=0) -> Tensor
     kvq::attend(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields,
                 SymInt[] shape, float scale, int head_offset=0) -> (Tensor, Tensor)
+    kvq::attend_window(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields,
+                       int[] tokens, Tensor window_k, Tensor window_v, float scale, int head_offset=0)
+                       -> (Tensor, Tensor)   (packed blocks then an exact window, one call per layer and step)
     kvq::materialize(Tensor x) -> Tensor       (a layout barrier used inside compiled kernels)
     kvq::attend_paged(str backend, str spec_json, int layer, Tensor q, Tensor pages, Tensor block_table,
                       Tensor code_lens, Tensor query_start_loc, float scale, Tensor? tail_k, Tensor? tail_v,
@@ -159,6 +162,25 @@ def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, pages: torch.Te
     return q.new_empty((n, hq, d), dtype=torch.float32), q.new_empty((n, hq), dtype=torch.float32)
 
 
+ATTEND_WINDOW_SCHEMA = ("(str backend, str spec_json, int layer, Tensor q, Tensor[] kfields, Tensor[] vfields, "
+                        "int[] tokens, Tensor window_k, Tensor window_v, float scale, int head_offset=0) -> (Tensor, Tensor)")
+_LIB.define("attend_window" + ATTEND_WINDOW_SCHEMA)
+_LIB.impl("attend_window", run.attend_window, "CompositeExplicitAutograd")
+attend_window = torch.ops.kvq.attend_window
+
+
+@torch.library.register_fake(f"{NAMESPACE}::attend_window")
+def _(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: list[torch.Tensor],
+      vfields: list[torch.Tensor], tokens: list[int], window_k: torch.Tensor, window_v: torch.Tensor, scale: float,
+      head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "kvq::attend_window"
+    torch._check(q.dim() == 4, lambda: f"{op}: q must be [batch, q_heads, q_len, head_dim], got {q.dim()}-D")
+    torch._check(window_k.dim() == 4 and window_k.shape == window_v.shape,
+                 lambda: f"{op}: window_k and window_v must be [batch, kv_heads, w, head_dim] alike")
+    b, hq, lq, d = q.shape
+    return q.new_empty((b, hq, lq, d), dtype=torch.float32), q.new_empty((b, hq, lq), dtype=torch.float32)
+
+
 WRITE_PAGED_SCHEMA = ("(str backend, str spec_json, int layer, Tensor key, Tensor value, Tensor(a!) pages, "
                       "Tensor slot_mapping, int head_offset=0) -> ()")
 _LIB.define("write_paged" + WRITE_PAGED_SCHEMA)
@@ -193,7 +215,7 @@ def _(backend: str, spec_json: str, layer: int, key: torch.Tensor, value: torch.
 
 
 OPS = {"encode": encode, "decode": decode, "attend": attend, "materialize": materialize, "attend_paged": attend_paged,
-       "write_paged": write_paged}
+       "attend_window": attend_window, "write_paged": write_paged}
 
 
 # --------------------------------------------------------------------------------------------

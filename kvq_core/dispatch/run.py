@@ -99,6 +99,23 @@ def attend(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: l
     return out, fresh(lse, [*inputs, out])
 
 
+def attend_window(backend: str, spec_json: str, layer: int, q: torch.Tensor, kfields: list[torch.Tensor],
+                  vfields: list[torch.Tensor], tokens: list[int], window_k: torch.Tensor, window_v: torch.Tensor,
+                  scale: float, head_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's ``attend_window`` over blocks whose fields come flat, block after block, in layout order."""
+    impl = kernel(backend, spec_json)
+    spec = spec_from_json(spec_json)
+    knames, vnames = field_names(spec, "keys"), field_names(spec, "values")
+    blocks = [(dict(zip(knames, kfields[i * len(knames):(i + 1) * len(knames)])),
+               dict(zip(vnames, vfields[i * len(vnames):(i + 1) * len(vnames)])), t) for i, t in enumerate(tokens)]
+    b, hk, _, d = window_k.shape
+    ctx = context(spec_json, layer, (b, hk, sum(tokens), d), q.device, head_offset)
+    out, lse = impl.attend_window(q, blocks, window_k, window_v, ctx, scale)
+    inputs = [q, *kfields, *vfields, window_k, window_v]
+    out = fresh(out, inputs)
+    return out, fresh(lse, [*inputs, out])
+
+
 def fake_quant(backend: str, spec_json: str, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
     """``decode(encode(x))`` with the backend's own kernels, in x's dtype."""
     impl = kernel(backend, spec_json)
