@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq_core.errors import BackendUnavailableError
 from kvq_core.methods.intcodes import TOKENS, ZERO_INTEGER, IntGroups
 from kvq_torch.common import Fields, TorchContext, TorchMethod, hadamard_rotate
 from kvq_torch.intcodes import token_norms
@@ -125,6 +126,8 @@ class IntCodesTriton(TorchMethod):
     def __init__(self, spec) -> None:
         super().__init__(spec)
         self.recipe = spec.recipe
+        if self.recipe.clip_ratio != 1.0:
+            raise BackendUnavailableError(f"the Triton quantizer does not clip group ranges; not {self.recipe}")
 
     def _rotate(self, x: torch.Tensor, ctx: TorchContext) -> torch.Tensor:
         """``x @ H`` (H is its own inverse), or float32 x when the recipe does not rotate."""
