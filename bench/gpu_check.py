@@ -409,18 +409,18 @@ def paged_op() -> Any:
 
 def paged_backends(spec: Any, backends: dict[str, list[str]]) -> list[tuple[str, str]]:
     """(backend, label) timed: every GPU backend with a paged kernel of its own for the spec, and
-    the torch fallback (the kernel table serves a backend without one by it)."""
-    from kvq_core.dispatch import table
+    the torch fallback (the op bodies serve a backend without one by it)."""
+    from kvq_core.dispatch import run
 
-    fallback = type(table.paged_kernel(table.PAGED_FALLBACK, spec.to_json()))
-    out = [(b, b) for b in backends if b != table.PAGED_FALLBACK and _paged_impl(table, b, spec) not in (None, fallback)]
-    return [*out, (table.PAGED_FALLBACK, f"{table.PAGED_FALLBACK} (fallback)")]
+    fallback = type(run.paged_kernel(run.PAGED_FALLBACK, spec.to_json()))
+    out = [(b, b) for b in backends if b != run.PAGED_FALLBACK and _paged_impl(run, b, spec) not in (None, fallback)]
+    return [*out, (run.PAGED_FALLBACK, f"{run.PAGED_FALLBACK} (fallback)")]
 
 
-def _paged_impl(table: Any, backend: str, spec: Any) -> type | None:
+def _paged_impl(run: Any, backend: str, spec: Any) -> type | None:
     """The class of ``backend``'s paged kernel for the spec (the fallback's when it has none)."""
     try:
-        return type(table.paged_kernel(backend, spec.to_json()))
+        return type(run.paged_kernel(backend, spec.to_json()))
     except Exception:  # noqa: BLE001 - no paged kernel at all
         return None
 

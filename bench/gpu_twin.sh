@@ -107,8 +107,8 @@ step gpu-check-dry-run bash bench/gpu_check.sh --dry-run --backends triton
 # 2. every module of the GPU backends imports on this stack (no interpreter, no GPU)
 step imports python - <<'PY'
 import importlib, pathlib, sys, traceback
-mods = sorted(f"{p.parent.name}.{p.stem}" for d in ("kvq_triton", "kvq_numba")
-              for p in pathlib.Path("backends", d).glob("*.py") if p.stem != "__init__")
+mods = sorted(".".join(p.relative_to("backends").with_suffix("").parts) for d in ("kvq_triton", "kvq_numba")
+              for p in pathlib.Path("backends", d).rglob("*.py") if p.stem != "__init__")
 bad = []
 for m in mods:
     try:

@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvq_core import get_quantizer
     from kvq_core.eval.model import load_model
     from kvq_core.eval.text import load_text
-    from kvq_core.layout import PackedKV, concat_tokens
     from kvq_core.onnx import export
+    from kvq_core.packed import PackedKV
+    from kvq_core.tokens import concat_tokens
 
     model, tok, info = load_model(None, threads=args.threads)
     text, source = load_text(None, None)

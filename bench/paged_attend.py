@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import kvq_core
 import kvq_core.dispatch.ops  # noqa: F401
-from kvq_core.dispatch.table import spec_from_json
+from kvq_core.dispatch.torch_kernels import spec_from_json
 from kvq_core.dispatch.torch_kernels import field_names
 from kvq_core.paged import PageLayout
 

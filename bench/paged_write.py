@@ -18,6 +18,7 @@ the CPU capability and ``uptime`` with the figures. Run with ``PYTHONPATH`` nami
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import subprocess
 import sys
@@ -31,10 +32,10 @@ import kvq_core
 import kvq_core.dispatch.ops  # noqa: F401
 from kvq_core import registry
 from kvq_core.constants import constants
-from kvq_core.dispatch.table import register_kernel
-from kvq_core.dispatch.torch_kernels import TorchMethod, field_names
+from kvq_core.dispatch.torch_kernels import context, field_names, spec_from_json
 from kvq_core.kernels import KernelContext
 from kvq_core.paged import PageLayout, step_blocks
+from kvq_torch.common import TorchMethod
 
 HK, D, PAGE, BLOCKS, LAYER = 3, 64, 32, 256, 7
 CODECS = [("octopus", {"bits": 3}, (8, 512)), ("oscar", {"bits": 2}, (32, 512)), ("kivi", {"bits": 2}, (32, 512))]
@@ -42,7 +43,7 @@ CODECS = [("octopus", {"bits": 3}, (8, 512)), ("oscar", {"bits": 2}, (32, 512)),
 
 class _BeforeEncode(TorchMethod):
     """The plugin's encode adapter before ``kvq::write_paged`` (``kvq_vllm/numba_encode.py``): a
-    ``kvq::encode`` table entry running the numba kernels on NumPy views, fields back as tensors."""
+    ``kvq::encode`` kernel running the numba kernels on NumPy views, fields back as tensors."""
 
     def __init__(self, spec) -> None:  # noqa: ANN001
         super().__init__(spec)
@@ -61,19 +62,30 @@ class _BeforeEncode(TorchMethod):
         return self._run(self.kernels.encode_values, v, ctx)
 
 
-BEFORE = "numba-before"
+@functools.lru_cache(maxsize=None)
+def _before_kernel(spec_json: str) -> _BeforeEncode:
+    return _BeforeEncode(spec_from_json(spec_json))
+
+
+@torch.library.custom_op("kvq_bench::encode_before", mutates_args=())
+def encode_before(spec_json: str, layer: int, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
+    """``kvq::encode``'s body (:func:`kvq_core.dispatch.run.encode`) with the adapter above as the
+    kernel: the op the plugin called before (its backend entry is gone from kvq)."""
+    impl = _before_kernel(spec_json)
+    ctx = context(spec_json, layer, x.shape, x.device)
+    fields = impl.encode_keys(x, ctx) if kind == "keys" else impl.encode_values(x, ctx)
+    return [fields[name].contiguous() for name in field_names(impl.spec, kind)]
 
 
 def before(spec, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor):  # noqa: ANN001
     """The plugin's write before ``kvq::write_paged``: ``kvq::encode`` of K and V (the adapter above),
     ``PageLayout.pack``, an index scatter (padding clamped into block 0)."""
     layout = PageLayout(spec, PAGE, HK)
-    register_kernel(BEFORE, spec.method, _BeforeEncode)
     names = {kind: field_names(spec, kind) for kind in ("keys", "values")}
     spec_json = spec.to_json()
 
     def encode(kind: str, x: torch.Tensor) -> dict:
-        return dict(zip(names[kind], torch.ops.kvq.encode(BEFORE, spec_json, LAYER, kind, x)))
+        return dict(zip(names[kind], encode_before(spec_json, LAYER, kind, x)))
 
     def run() -> None:
         k, v = step_blocks(key, layout.group), step_blocks(value, layout.group)

@@ -16,7 +16,7 @@ from kvq_core.errors import (
     UnknownBackendError,
     UnknownMethodError,
 )
-from kvq_core.layout import PackedKV, bits_per_element
+from kvq_core.packed import PackedKV, bits_per_element
 from kvq_core.registry import list_backends, list_methods, list_plugins, make_spec, spec_from_dict
 from kvq_core.spec import MethodSpec
 

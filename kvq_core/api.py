@@ -1,6 +1,7 @@
 """The user-facing API: ``get_quantizer`` and the :class:`Quantizer` it returns."""
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from kvq_core import registry
 from kvq_core.constants import LazyConstants
 from kvq_core.errors import BackendUnavailableError, InputError, SpecError
 from kvq_core.kernels import KernelContext
-from kvq_core.layout import PackedKV, bits_per_element
+from kvq_core.packed import PackedKV, bits_per_element
 from kvq_core.spec import MethodSpec
 from kvq_core.validate import (
     check_attention_finite,
@@ -32,6 +33,18 @@ class _Bound(NamedTuple):
     kernels: Any
 
 
+def _kernels_of(backend: str, method: str) -> Any:
+    """What a Quantizer calls with a spec to get its kernels: the registry's kernel class, or on a
+    ``torch_ops`` backend :class:`~kvq_core.dispatch.calls.OpKernels`, which runs that class through
+    the ``kvq::`` ops (compile and export then see one opaque node per call)."""
+    factory = registry.kernel_factory(backend, method)
+    if not registry.backend_info(backend).torch_ops:
+        return factory
+    from kvq_core.dispatch.calls import OpKernels
+
+    return functools.partial(OpKernels, backend)
+
+
 class Quantizer:
     """Encode/decode K and V blocks and attend from codes, for one spec, backend and layer.
 
@@ -51,7 +64,7 @@ class Quantizer:
         ``kv_heads``: the KV heads every block has (default: bound by the first block).
         ``device``: where the blocks will live (only used to name alternatives in errors)."""
         try:
-            factory = registry.kernel_factory(backend, spec.method)
+            factory = _kernels_of(backend, spec.method)
             ok, reason = registry.backend_status(backend)
             if not ok:
                 raise BackendUnavailableError(f"backend {backend!r} is unavailable here: {reason}")

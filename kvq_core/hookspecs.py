@@ -35,11 +35,12 @@ def kvq_register_kernels(register: "Callable[[str, str, Any], None]") -> None:
     """Call ``register(backend, method, factory)`` to add kernels for ``method`` to a backend that
     another plugin registers (e.g. the built-in ``"numpy"``, ``"torch"``, ``"torch-compiled"``).
 
-    ``factory`` is what a kernel table holds: a callable taking the spec, or a lazy
-    ``"module:Attr"`` reference to one; the backend's ``BackendInfo.kernel_entry`` adapts it (the
-    torch backends route it through the ``kvq::`` ops, so the factory is a
-    ``kvq_torch.common.TorchMethod`` subclass there). Runs after every plugin's methods and
-    backends are registered. A ``(backend, method)`` pair that already has kernels is an error
+    ``factory`` is what a kernel table holds: a kernel class (a callable taking the spec), or a
+    lazy ``"module:Attr"`` reference to one. It is stored in the backend's table as given and
+    treated like the backend's own kernels: its ``BackendInfo.adapt`` applies (``torch-compiled``
+    compiles it), and a ``torch_ops`` backend (``torch``, ``torch-compiled``, ``triton``) runs it
+    through the ``kvq::`` ops, so it is a ``kvq_torch.common.TorchMethod`` subclass there. Runs
+    after every plugin's methods and backends are registered. A ``(backend, method)`` pair that already has kernels is an error
     (the plugin then registers nothing); a backend that is not registered here (its package is
     missing, say) is skipped and noted under the plugin in ``kvq list``.
     """

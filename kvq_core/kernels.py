@@ -3,14 +3,14 @@
 Plain data types only (no registry, no API), so every layer above can import them:
 
 - :class:`MethodInfo` / :class:`BackendInfo`: what a plugin's hooks register. A method's spec
-  class and each entry of a backend's kernel table may be a lazy ``"module:Attr"`` reference,
+  class and each entry of a backend's kernel tables may be a lazy ``"module:Attr"`` reference,
   resolved on first use and separately, so a failing import makes only that method (or that
   backend's kernels for it) unavailable, with the reason;
 - :class:`ArrayAdapter`: how the core talks to a backend's array type without importing it;
 - :class:`KernelContext` / :class:`MethodKernels`: what a kernel call receives and implements.
 
-A backend's kernel table maps a method name to a factory called with the method's spec. The
-core validates inputs, computes the constants, and hands kernels backend arrays plus a
+A backend's kernel table maps a method name to its kernel class (any callable taking the method's
+spec). The registry holds it, the only kernel table there is. The core validates inputs, computes the constants, and hands kernels backend arrays plus a
 :class:`KernelContext`; kernels return plain dicts of fields matching the spec's layout.
 """
 from __future__ import annotations
@@ -30,22 +30,12 @@ if TYPE_CHECKING:  # pragma: no cover
 Supports = Callable[["MethodSpec", "str | None"], "tuple[bool, str | None]"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Deferred:
-    """A table entry built from another reference once it resolves: ``make(resolve(ref))``.
-
-    E.g. a torch-tensor backend's entry is "an op-calling factory, valid once the kernel class
-    ``ref`` imports", so an import failure is reported for that method at resolution time."""
-
-    ref: Any
-    make: Callable[[Any], Any]
+#: A key of ``BackendInfo.paged`` / ``paged_write``: the entry for every method the backend has kernels for.
+ALL_METHODS = "*"
 
 
 def resolve(ref: Any) -> Any:
-    """``ref`` itself, the object a ``"package.module:Attr"`` string names (imported now), or a
-    :class:`Deferred` entry's ``make(resolve(ref))``."""
-    if isinstance(ref, Deferred):
-        return ref.make(resolve(ref.ref))
+    """``ref`` itself, or the object a ``"package.module:Attr"`` string names (imported now)."""
     if not isinstance(ref, str):
         return ref
     module, sep, attr = ref.partition(":")
@@ -72,8 +62,8 @@ def _always_available() -> tuple[bool, str | None]:
 
 @dataclasses.dataclass(frozen=True)
 class BackendInfo:
-    """A backend: a table from method name to kernel factory (called with the spec), or to a
-    ``"module:Attr"`` reference to one.
+    """A backend: its kernel table, from method name to kernel class (any callable taking the
+    spec), or to a ``"module:Attr"`` reference to one.
 
     ``is_available()`` returns ``(True, None)`` or ``(False, reason)`` for the whole backend (a
     missing package or device); ``supports(spec, device)`` the same per spec and device (head_dim,
@@ -82,9 +72,20 @@ class BackendInfo:
     ``arrays`` may be a ``"module:Attr"`` reference to the adapter (an instance or a class),
     imported on first use, so registering the backend imports nothing heavy (e.g. torch).
 
-    ``kernel_entry(method, factory)`` turns kernels that *another* plugin adds to this backend
-    (hook ``kvq_register_kernels``) into an entry of this table, e.g. a torch-tensor backend
-    routes them through its ``kvq::`` ops; None: the factory (or reference) is the entry as given.
+    ``torch_ops``: the kernel classes work on torch tensors with a
+    :class:`~kvq_core.dispatch.torch_kernels.TorchContext` (``kvq_torch.common.TorchMethod``
+    subclasses) and every call runs through the ``kvq::`` custom ops carrying this backend's
+    name, so ``torch.compile`` and ``torch.export`` see one opaque node per call. False: the
+    Quantizer calls the classes directly with a :class:`KernelContext`.
+
+    ``adapt(cls)``: applied to every kernel class resolved on this backend, kernels another plugin
+    adds (hook ``kvq_register_kernels``) included, e.g. ``torch-compiled`` compiles each class's
+    functions; None: the classes as given.
+
+    ``paged`` / ``paged_write``: method -> the class serving ``kvq::attend_paged`` /
+    ``kvq::write_paged`` for it (called with the spec; :mod:`kvq_core.paged`), key
+    :data:`ALL_METHODS` for every method this backend has kernels for; a method without one falls
+    back to the ``torch`` backend's.
     """
 
     name: str
@@ -93,7 +94,10 @@ class BackendInfo:
     is_available: Callable[[], tuple[bool, str | None]] = _always_available
     summary: str = ""
     supports: Supports | None = None
-    kernel_entry: Callable[[str, Any], Any] | None = None
+    torch_ops: bool = False
+    adapt: Callable[[Any], Any] | None = None
+    paged: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    paged_write: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class ArrayAdapter(Protocol):
@@ -112,7 +116,7 @@ class ArrayAdapter(Protocol):
         """``x`` in the floating dtype named ``dtype`` (e.g. "float16", "bfloat16"), where it exists."""
 
     # Optional: ``concat(xs, axis)`` joins backend arrays (else the core joins through NumPy,
-    # :func:`kvq_core.layout.concat_tokens`); ``device_of(x)`` names the device of an input
+    # :func:`kvq_core.tokens.concat_tokens`); ``device_of(x)`` names the device of an input
     # (None for host arrays) so the registry can ask ``supports(spec, device)`` per call;
     # ``max_abs(x) -> float | None`` is the largest |x| for the underflow check (None: skip it;
     # without the method the core goes through ``to_numpy``).
@@ -158,4 +162,4 @@ class MethodKernels(Protocol):
     # ``q_len`` tokens are the queries' own, in one call (:meth:`kvq_core.Quantizer.attend_window`).
 
 
-__all__ = ["ArrayAdapter", "BackendInfo", "Deferred", "KernelContext", "MethodInfo", "MethodKernels", "Supports", "resolve"]
+__all__ = ["ALL_METHODS", "ArrayAdapter", "BackendInfo", "KernelContext", "MethodInfo", "MethodKernels", "Supports", "resolve"]

@@ -81,7 +81,8 @@ from typing import Any
 import numpy as np
 
 from kvq_core.errors import InputError, LayoutError, SpecError
-from kvq_core.layout import Kind, PackedKV
+from kvq_core.layout import Kind
+from kvq_core.packed import PackedKV
 from kvq_core.spec import MethodSpec
 
 #: how a field's bytes map onto rows
@@ -115,7 +116,7 @@ class Slot:
 
 def _key_group(spec: MethodSpec, kind: Kind) -> int:
     """Tokens sharing a statistic in ``kind``'s layout (1 for per-token layouts)."""
-    from kvq_core.layout import token_granule
+    from kvq_core.tokens import token_granule
 
     found = token_granule(spec, kind)
     if found is None:
@@ -327,8 +328,8 @@ def attend_paged_reference(spec: MethodSpec, layer: int, q: Any, pages: Any, blo
     exact float64 softmax over the visible tail.
     Returns ``(out float32 [n_tokens, q_heads, d], lse float32 [n_tokens, q_heads])``."""
     from kvq_core.constants import constants
+    from kvq_core.host_arrays import to_host
     from kvq_core.kernels import KernelContext
-    from kvq_core.layout import to_host
     from kvq_core.registry import kernel_factory
 
     q, pages, table = to_host(q).astype(np.float32), to_host(pages), to_host(block_table).astype(np.int64)

@@ -6,6 +6,8 @@ built-ins, always loaded (:func:`builtin_plugins` says where they are read from)
 distributions' entries load unless ``KVQ_DISABLE_PLUGINS=1``. Hooks run in two passes: every
 plugin's methods and backends, then every plugin's kernels for backends registered by others
 (``kvq_register_kernels``), so a plugin may add kernels to any backend whatever the load order.
+Each backend's table here is the only kernel table: kernels another plugin adds are stored in
+it as given and get the backend's treatment (``BackendInfo.adapt``, ``torch_ops``) like its own.
 
 A failure stays where it happens:
 
@@ -39,8 +41,8 @@ from kvq_core.errors import (
     UnknownBackendError,
     UnknownMethodError,
 )
-from kvq_core.kernels import ArrayAdapter, BackendInfo, MethodInfo, resolve
-from kvq_core.layout import set_spec_resolver
+from kvq_core.kernels import ALL_METHODS, ArrayAdapter, BackendInfo, MethodInfo, resolve
+from kvq_core.packed import set_spec_resolver
 from kvq_core.spec import MethodSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -101,17 +103,19 @@ def _why(exc: BaseException) -> str:
 
 
 class _Lazy:
-    """A lazily resolved reference and the outcome of resolving it (value or reason)."""
+    """A lazily resolved reference and the outcome of resolving it (value or reason); ``adapt``,
+    when given, is applied to the resolved value (a backend's ``BackendInfo.adapt``)."""
 
-    __slots__ = ("ref", "_value", "_error", "_done")
+    __slots__ = ("ref", "adapt", "_value", "_error", "_done")
 
-    def __init__(self, ref: Any) -> None:
-        self.ref, self._value, self._error, self._done = ref, None, None, False
+    def __init__(self, ref: Any, adapt: Callable[[Any], Any] | None = None) -> None:
+        self.ref, self.adapt, self._value, self._error, self._done = ref, adapt, None, None, False
 
     def get(self) -> tuple[Any, str | None]:
         if not self._done:
             try:
-                self._value = resolve(self.ref)
+                value = resolve(self.ref)
+                self._value = value if self.adapt is None else self.adapt(value)
             except Exception as exc:  # any import failure stays with this entry
                 self._error = _why(exc)
             self._done = True
@@ -155,9 +159,20 @@ class _Method:
 class _Backend:
     info: BackendInfo
     origin: str
+    #: method -> kernel class (after ``info.adapt``): the backend's kernel table
     kernels: dict[str, _Lazy]
+    #: method (or ``ALL_METHODS``) -> class serving ``kvq::attend_paged`` / ``kvq::write_paged``
+    paged: dict[str, _Lazy]
+    paged_write: dict[str, _Lazy]
     #: method -> origin of kernels another plugin added (``kvq_register_kernels``)
     added: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, info: BackendInfo, origin: str) -> _Backend:
+        """The registry's entry for ``info``: every table entry a lazy reference of its own."""
+        return cls(info, origin, {m: _Lazy(ref, info.adapt) for m, ref in info.kernels.items()},
+                   {m: _Lazy(ref) for m, ref in info.paged.items()},
+                   {m: _Lazy(ref) for m, ref in info.paged_write.items()})
 
 
 @dataclasses.dataclass
@@ -320,7 +335,7 @@ def _collect_methods_and_backends(pm: pluggy.PluginManager, got: _Collected) -> 
             else:
                 if isinstance(info.arrays, str):
                     info = dataclasses.replace(info, arrays=_LazyArrays(info.arrays))
-                pending[kind][info.name] = _Backend(info, origin, {m: _Lazy(f) for m, f in info.kernels.items()})
+                pending[kind][info.name] = _Backend.of(info, origin)
 
         try:
             if hasattr(plugin, "kvq_register_methods"):
@@ -338,7 +353,7 @@ def _collect_methods_and_backends(pm: pluggy.PluginManager, got: _Collected) -> 
 
 def _collect_kernels(pm: pluggy.PluginManager, got: _Collected) -> None:
     """Pass 2: each plugin's kernels for backends any plugin registered (``kvq_register_kernels``),
-    adapted by the backend's ``kernel_entry``; all or nothing per plugin, its pass-1 work included."""
+    stored in the backend's table as given; all or nothing per plugin, its pass-1 work included."""
     for plugin_name, plugin in pm.list_name_plugin():
         if plugin_name not in got.registered or not hasattr(plugin, "kvq_register_kernels"):
             continue
@@ -363,15 +378,12 @@ def _collect_kernels(pm: pluggy.PluginManager, got: _Collected) -> None:
 
         try:
             plugin.kvq_register_kernels(register=register)
-            for (backend, method), factory in added.items():  # the backend's adapter, once the hook finished
-                make = got.backends[backend].info.kernel_entry
-                added[(backend, method)] = make(method, factory) if make is not None else factory
         except Exception as exc:
             got.fail(plugin_name, exc)
             continue
         for (backend, method), entry in added.items():
             target = got.backends[backend]
-            target.kernels[method] = _Lazy(entry)
+            target.kernels[method] = _Lazy(entry, target.info.adapt)
             target.added[method] = origin
             target.info = dataclasses.replace(target.info, kernels={**target.info.kernels, method: entry})
             got.registered[plugin_name].append(f"kernels {backend}/{method}")
@@ -406,11 +418,22 @@ def state() -> _State:
         return _state
 
 
+_on_reload: list[Callable[[], None]] = []
+
+
+def on_reload(clear: Callable[[], None]) -> None:
+    """Call ``clear()`` whenever the registry is reloaded: a cache of objects built from it (the
+    ``kvq::`` ops' kernel objects) is dropped with it."""
+    _on_reload.append(clear)
+
+
 def reload() -> None:
     """Forget the loaded registry (tests, or after installing a plugin at run time)."""
     global _state
     with _lock:
         _state = None
+        for clear in _on_reload:
+            clear()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -501,7 +524,9 @@ def backend_status(name: str) -> tuple[bool, str | None]:
 
 
 def kernel_factory(backend: str, method: str) -> Callable[[MethodSpec], Any]:
-    """The backend's kernel factory for ``method``; raises BackendUnavailableError naming why not."""
+    """The backend's kernel class for ``method`` (after the backend's ``adapt``), called with a
+    spec to build the kernels; raises BackendUnavailableError naming why not. On a ``torch_ops``
+    backend it works on torch tensors: :class:`kvq_core.Quantizer` calls it through the ``kvq::`` ops."""
     entry = _backend(backend)
     lazy = entry.kernels.get(method)
     if lazy is None:
@@ -510,6 +535,22 @@ def kernel_factory(backend: str, method: str) -> Callable[[MethodSpec], Any]:
     factory, error = lazy.get()
     if error:
         raise BackendUnavailableError(f"backend {backend!r} cannot serve {method!r}: its kernels failed to load: {error}")
+    return factory
+
+
+def paged_factory(backend: str, method: str, write: bool = False) -> Callable[[MethodSpec], Any] | None:
+    """The backend's class serving ``kvq::attend_paged`` (``write``: ``kvq::write_paged``) for
+    ``method``: its entry for the method, else its ``ALL_METHODS`` entry when it has kernels for the
+    method, else None; raises BackendUnavailableError when the entry fails to import."""
+    entry = _backend(backend)
+    table = entry.paged_write if write else entry.paged
+    lazy = table.get(method) or (table.get(ALL_METHODS) if method in entry.kernels else None)
+    if lazy is None:
+        return None
+    factory, error = lazy.get()
+    if error:
+        op = "write_paged" if write else "attend_paged"
+        raise BackendUnavailableError(f"backend {backend!r} cannot serve kvq::{op} for {method!r}: {error}")
     return factory
 
 
@@ -632,5 +673,5 @@ def kvq_select_backend(method: str, device: str | None, candidates: list[str]) -
 __all__ = [
     "ArrayAdapter", "BackendInfo", "MethodInfo", "Record", "backend_info", "backend_status", "builtin_plugins",
     "alternatives", "extras", "install_hint", "kernel_factory", "list_backends", "list_methods", "list_plugins",
-    "make_spec", "method_info", "method_status", "select_backend", "serves", "serving", "spec_from_dict", "supports",
+    "make_spec", "method_info", "method_status", "on_reload", "paged_factory", "select_backend", "serves", "serving", "spec_from_dict", "supports",
 ]

@@ -50,7 +50,7 @@ import torch
 
 from kvq_core.api import Quantizer
 from kvq_core.errors import InputError
-from kvq_core.layout import token_separable
+from kvq_core.tokens import token_separable
 
 FLUSH_MODES = ("block", "sliding")  # kvq_core.hf.flush's (this module needs no transformers)
 
@@ -121,10 +121,9 @@ def training_backend(spec: Any, device: str | None) -> str:
     """The backend ``backend="auto"`` gives training: the automatic pick when it has a
     differentiable ``kvq::fake_quant`` (torch, torch-compiled, triton), else ``"torch"``."""
     from kvq_core import registry
-    from kvq_core.dispatch.table import methods
 
     name = registry.select_backend(spec, device)
-    return name if spec.method in methods(name) else "torch"
+    return name if registry.backend_info(name).torch_ops else "torch"
 
 
 __all__ = ["exact_start", "fake_quant_attention", "fake_quant_kv", "training_backend"]

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from kvq_core.errors import InputError, LayoutError
-from kvq_core.layout import PackedKV
-from kvq_core.layout import dtype_name as _dtype_name
+from kvq_core.host_arrays import dtype_name as _dtype_name
 from kvq_core.kernels import ArrayAdapter
+from kvq_core.packed import PackedKV
 from kvq_core.spec import MethodSpec
 
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")

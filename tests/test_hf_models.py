@@ -114,7 +114,7 @@ def test_every_codec_quantizes_every_layer(models, family, attn):
         for layer, kind in zip(layers, _kinds(cache.config)):
             if kind == "sliding_attention":  # tokens left at the window edge
                 assert layer.sliding_window == SLIDING_WINDOW and layer.evicted == PROMPT + NEW - SLIDING_WINDOW \
-                    or not kvq_core.layout.token_separable(layer.key_spec, "keys"), (method, layer.evicted)
+                    or not kvq_core.tokens.token_separable(layer.key_spec, "keys"), (method, layer.evicted)
         report = cache.memory_report()
         assert report["stored_bits_per_element"] < 16 and report["fp_layer_bytes"] == 0, method
 

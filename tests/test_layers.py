@@ -1,6 +1,7 @@
-"""The core's layers point one way: a reader can go bottom-up, errors -> math -> layout -> spec ->
-methods -> registry -> api -> integrations, and no module imports one above it (in-function
-imports included; type-only imports under ``if TYPE_CHECKING`` are exempt)."""
+"""The core's layers point one way: a reader can go bottom-up, errors -> math, host arrays ->
+layout -> packed blocks, token join/split, spec -> methods -> registry -> dispatch (the ``kvq::``
+ops) -> api, validate -> integrations, and no module imports one above it (in-function imports
+included; type-only imports under ``if TYPE_CHECKING`` are exempt)."""
 from __future__ import annotations
 
 import ast
@@ -14,16 +15,20 @@ CORE = Path(__file__).resolve().parents[1] / "kvq_core"
 RANKS = {
     "kvq_core.errors": 0,
     "kvq_core.math": 1,
+    "kvq_core.host_arrays": 1,
     "kvq_core.layout": 2,
+    "kvq_core.packed": 3,
+    "kvq_core.tokens": 3,
     "kvq_core.spec": 3,
     "kvq_core.kernels": 3,
     "kvq_core.hookspecs": 3,
     "kvq_core.methods": 4,
     "kvq_core.constants": 4,
     "kvq_core.registry": 5,
-    "kvq_core.validate": 6,
-    "kvq_core.api": 6,
-    "kvq_core": 7,  # integrations: dispatch, hf, eval, bench, testing, cli, demo, metrics, ...
+    "kvq_core.dispatch": 6,  # the kvq:: ops a Quantizer on a torch_ops backend calls
+    "kvq_core.validate": 7,
+    "kvq_core.api": 7,
+    "kvq_core": 8,  # integrations: hf, eval, bench, testing, cli, demo, metrics, ...
 }
 
 
@@ -81,3 +86,61 @@ def test_backends_use_no_private_core_names() -> None:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvq_core"):
                 offenders += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert not offenders, offenders
+
+
+def _private_writes(tree: ast.AST) -> list[str]:
+    """Assignments (``=``, ``+=``, annotated, ``del``, ``setattr``) to a private attribute of an
+    object other than ``self``/``cls``, e.g. ``layer._x = ...`` or ``layer._x[i] = ...``."""
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    def foreign(node: ast.AST) -> bool:
+        return not (isinstance(node, ast.Name) and node.id in ("self", "cls"))
+
+    def targets(node: ast.AST) -> list[ast.AST]:
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            return node.targets
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            return [node.target]
+        return []
+
+    def flat(t: ast.AST):
+        if isinstance(t, (ast.Tuple, ast.List)):
+            for e in t.elts:
+                yield from flat(e)
+        elif isinstance(t, ast.Starred):
+            yield from flat(t.value)
+        else:
+            yield t
+
+    out = []
+    for node in ast.walk(tree):
+        for t in (x for target in targets(node) for x in flat(target)):
+            cur = t
+            while isinstance(cur, (ast.Attribute, ast.Subscript)):
+                if isinstance(cur, ast.Attribute) and private(cur.attr) and foreign(cur.value):
+                    out.append((node.lineno, ast.unparse(t)))
+                    break
+                cur = cur.value
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str) and private(node.args[1].value) and foreign(node.args[0])):
+            out.append((node.lineno, ast.unparse(node)))
+    return [f"line {line}: {what}" for line, what in sorted(out)]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(CORE)))
+def test_no_module_writes_another_objects_private_attributes(path: Path) -> None:
+    """A class's private state changes only through its own methods: a module writes the
+    private attributes of ``self``/``cls`` only, never another object's (use a public method)."""
+    bad = _private_writes(ast.parse(path.read_text()))
+    assert not bad, f"{_module_name(path)} writes private attributes of other objects: {bad}"
+
+
+def test_the_private_write_check_sees_writes() -> None:
+    src = "layer._a = 1\nlayer._b += 1\nlayer._c[0] = 1\nx.y._d: int = 1\ndel x._e\nsetattr(o, '_f', 1)\n" \
+          "self._ok = 1\ncls._ok = 1\nfn.__doc__ = ''\nlayer.public = 1\nself.x._g = 1\n"
+    found = _private_writes(ast.parse(src))
+    assert [f.split(": ")[1] for f in found] == ["layer._a", "layer._b", "layer._c[0]", "x.y._d", "x._e",
+                                                 "setattr(o, '_f', 1)", "self.x._g"]

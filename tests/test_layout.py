@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 import kvq_core
 from kvq_core.errors import LayoutError
-from kvq_core.layout import PackedKV, codes_field, pack_codes, packed_row_bytes, unpack_codes
+from kvq_core.layout import codes_field, pack_codes, packed_row_bytes, unpack_codes
+from kvq_core.packed import PackedKV
 
 
 @settings(max_examples=60, deadline=None)
@@ -64,7 +65,7 @@ def test_packed_dict_round_trip_and_validation() -> None:
 
 
 def test_token_separable_follows_the_layouts() -> None:
-    from kvq_core.layout import token_separable
+    from kvq_core.tokens import token_separable
 
     sep = {m: (token_separable(kvq_core.make_spec(m, head_dim=64), "keys"),
                token_separable(kvq_core.make_spec(m, head_dim=64), "values"))
@@ -76,7 +77,7 @@ def test_token_separable_follows_the_layouts() -> None:
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_concat_and_slice_tokens_move_codes_exactly(backend: str) -> None:
-    from kvq_core.layout import concat_tokens, slice_tokens
+    from kvq_core.tokens import concat_tokens, slice_tokens
 
     q = kvq_core.get_quantizer("octopus", backend=backend, bits=3, head_dim=64)
     k = np.random.default_rng(3).standard_normal((2, 3, 9, 64)).astype(np.float32)
@@ -106,7 +107,7 @@ def test_token_group_blocks_join_and_split_on_group_boundaries(backend: str, met
     """Keys with statistics per 32-token group: blocks of whole groups join into exactly the
     fields one encode of all the tokens gives (OScaR's per-token norm runs along axis 1), and a
     block splits at group boundaries into exactly the fields of encoding that range."""
-    from kvq_core.layout import concat_tokens, slice_tokens, token_granule
+    from kvq_core.tokens import concat_tokens, slice_tokens, token_granule
 
     q = kvq_core.get_quantizer(method, backend=backend, bits=2, head_dim=64)
     assert token_granule(q.spec, "keys")[0] == 32 and token_granule(q.spec, "values")[0] == 1

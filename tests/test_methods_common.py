@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import kvq_core
-from kvq_core.layout import PackedKV
 from kvq_core.metrics import attention, logits
+from kvq_core.packed import PackedKV
 from kvq_core.synthetic import make_kv, make_queries
 
 D = 128

@@ -13,22 +13,22 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reaso
 
 def test_kernels_compile_once_per_signature() -> None:
     """Many conformance shapes/dtypes reuse one compiled specialisation per kernel (fixed dtypes)."""
-    from kvq_numba import cpu_attend, cpu_attend_planes, cpu_intquant, cpu_paged
+    from kvq_numba.cpu import attend, attend_planes, intquant, paged
 
     testing.check_method("numba", "oscar", max_examples=4, errors=False)
-    for kernel in (cpu_attend.attend_int_codes, cpu_attend_planes.planes_jobs, cpu_paged.plan, cpu_paged.combine,
-                   cpu_intquant.encode_token_groups,
-                   cpu_intquant.decode_channel_groups):
+    for kernel in (attend.attend_int_codes, attend_planes.planes_jobs, paged.plan, paged.combine,
+                   intquant.encode_token_groups,
+                   intquant.decode_channel_groups):
         assert 1 <= len(kernel.signatures) <= 2, (kernel, kernel.signatures)
 
 
 def test_vector_float16_widening_is_exact() -> None:
-    """cpu_simd.halves (8 lanes, integer ops, scalar tail) equals NumPy's float16 -> float32 for all
+    """cpu.simd.halves (8 lanes, integer ops, scalar tail) equals NumPy's float16 -> float32 for all
     65,536 bit patterns: finite ones bit for bit, subnormals and signed zeros included; Inf as Inf."""
     import numpy as np
     from numba import njit
 
-    from kvq_numba.cpu_simd import halves
+    from kvq_numba.cpu.simd import halves
 
     @njit
     def widen(src, n, dst):
@@ -109,6 +109,6 @@ def test_first_compile_is_announced_and_cached(tmp_path) -> None:
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
     first, second = runs[0].stderr, runs[1].stderr
-    assert "kvq numba: compiling cpu_intquant.encode_channel_groups" in first
-    assert "kvq numba: compiled cpu_intquant.encode_channel_groups in" in first
+    assert "kvq numba: compiling cpu.intquant.encode_channel_groups" in first
+    assert "kvq numba: compiled cpu.intquant.encode_channel_groups in" in first
     assert "kvq numba:" not in second

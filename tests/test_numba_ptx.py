@@ -26,8 +26,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TARGETS = ((8, 0), (9, 0))
 #: kernels that make integer codes, so must round half to even (cvt.rni)
-ROUNDING = ("kvq_numba.gpu_intcodes:_quant_token_groups", "kvq_numba.gpu_intcodes:_quant_channel_groups")
-GPU_MODULES = ("kvq_numba.gpu_common", "kvq_numba.gpu_intcodes", "kvq_numba.gpu_octopus")
+ROUNDING = ("kvq_numba.gpu.intcodes:_quant_token_groups", "kvq_numba.gpu.intcodes:_quant_channel_groups")
+GPU_MODULES = ("kvq_numba.gpu.common", "kvq_numba.gpu.intcodes", "kvq_numba.gpu.octopus")
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     pytest.skip("the PTX gate compiles for real: run it without NUMBA_ENABLE_CUDASIM", allow_module_level=True)
@@ -38,7 +38,7 @@ def _toolchain_missing() -> str | None:
     """Why numba-cuda cannot compile here (no libNVVM / NVRTC found), or None when it can."""
     from numba import cuda, types
 
-    import kvq_numba.gpu_common  # noqa: F401 - applies the NumPy 2.5 shim (kvq_numba.gpu_compat) first
+    import kvq_numba.gpu.common  # noqa: F401 - applies the NumPy 2.5 shim (kvq_numba.gpu.compat) first
 
     def probe(a):
         a[0] = 1.0

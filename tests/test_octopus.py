@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 import kvq_core
 from kvq_core.errors import SpecError
-from kvq_core.layout import PackedKV, unpack_codes
+from kvq_core.layout import unpack_codes
 from kvq_core.math.hadamard import fwht
 from kvq_core.math.octahedral import oct_decode
 from kvq_core.methods.octopus import OctopusSpec
+from kvq_core.packed import PackedKV
 from kvq_numpy.attention import softmax_attend
 from kvq_numpy.octopus import triplets
 from kvq_numpy.rotation import signed_hadamard as rotate

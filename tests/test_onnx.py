@@ -20,10 +20,11 @@ onnx = pytest.importorskip("onnx")
 from kvq_core import get_quantizer  # noqa: E402
 from kvq_core.cli import main as kvq_main  # noqa: E402
 from kvq_core.errors import ExportError  # noqa: E402
-from kvq_core.layout import PackedKV, unpack_codes  # noqa: E402
+from kvq_core.layout import unpack_codes  # noqa: E402
 from kvq_core.onnx import GRAPHS, MIN_OPSET, export  # noqa: E402
 from kvq_core.onnx.exporter import to_onnx  # noqa: E402
 from kvq_core.onnx.graphs import GraphIO, example_tokens  # noqa: E402
+from kvq_core.packed import PackedKV  # noqa: E402
 from kvq_core.testing import FIELD_RTOL, TIE_RTOL, TIE_RUNS, attend_tolerance, decode_tolerance  # noqa: E402
 
 KV_HEADS, Q_HEADS, BATCH = 2, 8, 3

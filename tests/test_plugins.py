@@ -86,6 +86,7 @@ DISTS = {
         def kvq_register_kernels(register):
             register("numpy", "plainfp", "kvq_numpy.fp16:Fp16Kernels")
             register("torch", "plainfp", WrongTorch)
+            register("torch-compiled", "plainfp", WrongTorch)
             register("no-such-backend", "plainfp", WrongTorch)
         '''),
 }
@@ -174,7 +175,8 @@ def test_kernels_join_the_builtin_backends(installed) -> None:
     plugins = _by_name(kvq_core.list_plugins())
     plain = plugins["kvq_plainfp"]
     assert plain.available and plain.origin == "plugin kvq_plainfp (kvq-plainfp 1.2.3)"
-    assert plain.detail == ("method plainfp", "kernels numpy/plainfp", "kernels torch/plainfp")
+    assert plain.detail == ("method plainfp", "kernels numpy/plainfp", "kernels torch/plainfp",
+                            "kernels torch-compiled/plainfp")
     assert plain.problems == ("kernels no-such-backend/plainfp: backend 'no-such-backend' is not registered here",)
     backends = _by_name(kvq_core.list_backends())
     assert "plainfp" in backends["numpy"].detail and "plainfp" in backends["torch"].detail
@@ -189,6 +191,38 @@ def test_kernels_join_the_builtin_backends(installed) -> None:
     assert qt.backend == "torch"  # served through the kvq:: ops like a built-in method
     packed = qt.encode_keys(torch.from_numpy(k))
     assert packed.fields["data"].dtype == torch.float16
+
+
+def test_plugin_torch_kernels_are_the_backends_own(installed) -> None:
+    """One table: the plugin's TorchMethod subclass is the class the registry holds for torch and
+    torch-compiled; the Quantizer runs it through the kvq:: ops, and torch-compiled compiles it
+    (the backend's ``adapt``) exactly as it does a built-in class."""
+    import torch
+
+    from kvq_core.dispatch import run
+    from kvq_core.dispatch.calls import OpKernels
+    from kvq_torch.common import TorchMethod
+    from kvq_torch.compiled import CompiledMethod
+    from kvq_torch.paged import PagedTorch
+
+    cls = registry.kernel_factory("torch", "plainfp")
+    assert cls.__name__ == "WrongTorch" and cls.__module__ == "kvq_plainfp" and issubclass(cls, TorchMethod)
+    assert registry.paged_factory("torch", "plainfp") is PagedTorch  # the paged ops serve it too
+    k = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 2, 5, 64)).astype(np.float32))
+    wrong = (k * 1.01).to(torch.float16)
+    q = kvq_core.get_quantizer("plainfp", backend="torch", head_dim=64)
+    assert isinstance(q.kernels, OpKernels) and q.kernels.backend == "torch"
+    torch.testing.assert_close(q.encode_keys(k).fields["data"], wrong, rtol=0, atol=0)
+    assert type(run.kernel("torch", q.spec.to_json())) is cls  # what the kvq::encode body ran
+    compiled = registry.kernel_factory("torch-compiled", "plainfp")(q.spec)
+    assert isinstance(compiled, CompiledMethod) and type(compiled.impl) is cls
+    ok, why = registry.backend_status("torch-compiled")
+    if not ok:
+        pytest.skip(f"torch-compiled unavailable here: {why}")
+    qc = kvq_core.get_quantizer("plainfp", backend="torch-compiled", head_dim=64)
+    assert isinstance(qc.kernels, OpKernels) and qc.kernels.backend == "torch-compiled"
+    torch.testing.assert_close(qc.encode_keys(k).fields["data"], wrong, rtol=0, atol=0)
+    assert isinstance(run.kernel("torch-compiled", qc.spec.to_json()), CompiledMethod)
 
 
 def test_conformance_says_where_wrong_kernels_fail(installed) -> None:

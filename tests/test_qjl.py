@@ -9,9 +9,10 @@ import pytest
 
 import kvq_core
 from kvq_core.errors import SpecError
-from kvq_core.layout import PackedKV, unpack_codes
+from kvq_core.layout import unpack_codes
 from kvq_core.math.sketch import gaussian_row_norm
 from kvq_core.methods.qjl import QJLSpec
+from kvq_core.packed import PackedKV
 from kvq_numpy.attention import softmax_attend
 
 

@@ -134,3 +134,42 @@ def test_spec_json_round_trip_for_every_method(method: str) -> None:
     spec = kvq_core.make_spec(method)
     assert kvq_core.spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     assert spec.to_dict()["method"] == method
+
+
+def test_one_kernel_table_holds_the_real_classes() -> None:
+    """The registry's table is the only one: it holds each backend's kernel class (no op-calling
+    wrapper, no second table in dispatch), and a backend's trip through the kvq:: ops is a flag."""
+    import importlib.util
+
+    from kvq_core import kernels
+    from kvq_numba.intcodes import IntCodesNumba
+    from kvq_numpy.intcodes import IntCodesKernels
+
+    assert registry.kernel_factory("numpy", "oscar") is IntCodesKernels
+    assert registry.kernel_factory("numba", "oscar") is IntCodesNumba
+    assert importlib.util.find_spec("kvq_core.dispatch.table") is None
+    assert not hasattr(kernels, "Deferred")
+    fields = {f.name for f in dataclasses.fields(kernels.BackendInfo)}
+    assert "kernel_entry" not in fields and {"torch_ops", "adapt", "paged", "paged_write"} <= fields
+    assert not registry.backend_info("numpy").torch_ops and not registry.backend_info("numba").torch_ops
+    assert registry.paged_factory("numpy", "oscar") is None  # no paged kernels: the ops fall back to torch's
+
+
+def test_torch_backends_hold_one_torchmethod_per_method() -> None:
+    pytest.importorskip("torch")
+    from kvq_core.dispatch import calls, torch_kernels
+    from kvq_torch.common import TorchMethod
+    from kvq_torch.intcodes import IntCodesTorch
+    from kvq_torch.paged import PagedTorch
+
+    assert registry.kernel_factory("torch", "oscar") is IntCodesTorch
+    assert not hasattr(torch_kernels, "TorchMethod") and not hasattr(calls, "op_backend")
+    assert all(registry.backend_info(b).torch_ops for b in ("torch", "torch-compiled", "triton"))
+    for method in registry.backend_info("torch").kernels:
+        assert issubclass(registry.kernel_factory("torch", method), TorchMethod), method
+    assert registry.paged_factory("torch", "fp16") is PagedTorch  # "*": every method torch serves
+    spec = kvq_core.make_spec("oscar", head_dim=64)
+    q = kvq_core.get_quantizer("oscar", backend="torch", head_dim=64)
+    assert isinstance(q.kernels, calls.OpKernels) and q.kernels.backend == "torch" and q.spec == spec
+    compiled = registry.kernel_factory("torch-compiled", "oscar")(spec)  # adapt: the same class, compiled
+    assert type(compiled).__name__ == "CompiledMethod" and type(compiled.impl) is IntCodesTorch

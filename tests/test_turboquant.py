@@ -11,9 +11,10 @@ import pytest
 
 import kvq_core
 from kvq_core.errors import SpecError
-from kvq_core.layout import PackedKV, unpack_codes
+from kvq_core.layout import unpack_codes
 from kvq_core.math.hadamard import fwht
 from kvq_core.methods.turboquant import TurboQuantProdSpec, TurboQuantSpec
+from kvq_core.packed import PackedKV
 from kvq_numpy.attention import softmax_attend
 from test_qjl import aligned_problem, sketch_estimates, unbiased_z
 

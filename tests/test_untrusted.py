@@ -14,8 +14,8 @@ import pytest
 import kvq_core
 from kvq_core import registry, testing
 from kvq_core.errors import InputError, KVQError, LayoutError, SpecError
-from kvq_core.layout import PackedKV
 from kvq_core.math.hadamard import fwht
+from kvq_core.packed import PackedKV
 from kvq_core.spec import MAX_DENSE_DIM, MAX_DENSE_ENTRIES, MAX_HEAD_DIM
 
 HAS_NUMBA = importlib.util.find_spec("numba") is not None

@@ -25,9 +25,9 @@ def test_warmup_reports_each_step(capsys) -> None:
 
 def test_warmup_compiles_the_numba_kernels_a_cache_runs() -> None:
     pytest.importorskip("numba")
-    from kvq_numba import cpu_intquant, cpu_rotation
+    from kvq_numba.cpu import intquant, rotation
 
     assert main(["warmup", "oscar:bits=2", "--head-dim", "64"]) == 0
-    for kernel in (cpu_intquant.encode_token_groups, cpu_intquant.encode_channel_groups, cpu_rotation.unit_keys,
-                   cpu_intquant.decode_token_groups, cpu_intquant.decode_channel_groups):
+    for kernel in (intquant.encode_token_groups, intquant.encode_channel_groups, rotation.unit_keys,
+                   intquant.decode_token_groups, intquant.decode_channel_groups):
         assert kernel.signatures, kernel  # compiled or loaded from the disk cache in this process

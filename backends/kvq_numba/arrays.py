@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvq_core.layout import host_all_finite, to_host
+from kvq_core.host_arrays import host_all_finite, to_host
 
 
 def is_cuda_input(x: Any) -> bool:

@@ -27,7 +27,7 @@ class CompileNotice(event.Listener):
         self.depth += 1
         func = ev.data["dispatcher"].py_func
         if self.depth == 1 and func.__module__.startswith("kvq_numba"):
-            name = f"{func.__module__.rsplit('.', 1)[-1]}.{func.__name__}"
+            name = f"{func.__module__.removeprefix('kvq_numba.')}.{func.__name__}"
             self.current = (name, time.perf_counter())
             print(f"{PREFIX} compiling {name} for a new argument type (first use; cached on disk, so later runs "
                   "skip this)...", file=sys.stderr, flush=True)

@@ -2,9 +2,10 @@
 groups, values per token over channel groups, optionally rotated (H) and token-normalised (OTS).
 
 :class:`IntCodesNumba` reads the ingredients from the spec's
-:class:`~kvq_core.methods.intcodes.IntCodeRecipe` and routes NumPy/CPU input to the ``@njit``
-kernels and CUDA input to :mod:`kvq_numba.gpu_intcodes`. Recipes of another shape (QuaRot's
-clipped per-token key groups) are not served: ``plugin.supports`` keeps them out.
+:class:`~kvq_core.methods.intcodes.IntCodeRecipe` and runs NumPy/CPU input on the ``@njit`` kernels
+(:mod:`kvq_numba.cpu`); CUDA input goes to its twin :class:`kvq_numba.gpu.intcodes.IntCodesCuda`
+(:mod:`kvq_numba.route`). Recipes of another shape (QuaRot's clipped per-token key groups) are not
+served: ``plugin.supports`` keeps them out.
 """
 from __future__ import annotations
 
@@ -17,9 +18,15 @@ import numpy as np
 from kvq_core.errors import BackendUnavailableError
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.intcodes import CHANNELS, TOKENS, ZERO_INTEGER, IntCodeRecipe
-from kvq_numba import compile_notice, cpu_attend, cpu_attend_planes, cpu_intquant, cpu_rotation, cpu_window, rules, threads
-from kvq_numba.arrays import as_float32, is_cuda_input
-from kvq_numba.cpu_common import fwht_heads, half_bits, inv_sqrt
+from kvq_numba import compile_notice, rules, threads
+from kvq_numba.arrays import as_float32
+from kvq_numba.cpu import attend as cpu_attend
+from kvq_numba.cpu import attend_planes as cpu_attend_planes
+from kvq_numba.cpu import intquant as cpu_intquant
+from kvq_numba.cpu import rotation as cpu_rotation
+from kvq_numba.cpu import window as cpu_window
+from kvq_numba.cpu.common import fwht_heads, half_bits, inv_sqrt
+from kvq_numba.route import DeviceRouted
 
 compile_notice.install()
 threads.prefer_tbb()
@@ -28,11 +35,13 @@ Fields = dict[str, Any]
 _NO_NORM = np.ones((1, 1), np.float32)
 
 
-class IntCodesNumba:
+class IntCodesNumba(DeviceRouted):
     """Asymmetric min/max integer codes (kvq_numpy.intquant) with the recipe's rotation and OTS.
 
     The recipe's ingredients as the compiled kernels take them: ``bits``, ``key_group`` (tokens),
     ``value_group`` (channels), ``rotation``, ``token_scaling`` and ``zero_mode`` (rules.ZERO_*)."""
+
+    CUDA_TWIN = "kvq_numba.gpu.intcodes:IntCodesCuda"
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec
@@ -46,7 +55,6 @@ class IntCodesNumba:
         self.rotation, self.token_scaling = recipe.rotates, recipe.token_norm
         self.zero_mode = rules.ZERO_INTEGER if keys.zero_point == ZERO_INTEGER else rules.ZERO_MIN
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
-        self._cuda: Any = None
 
     @functools.cached_property
     def _attend_kernel(self) -> Any:
@@ -54,14 +62,6 @@ class IntCodesNumba:
         if cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group):
             return cpu_attend_planes.attend_planes
         return cpu_attend.attend_int_codes
-
-    def _gpu(self) -> Any:
-        """The CUDA kernels of the same method (imported, and numba.cuda with them, on first CUDA input)."""
-        if self._cuda is None:
-            from kvq_numba.gpu_intcodes import IntCodesCuda
-
-            self._cuda = IntCodesCuda(self)
-        return self._cuda
 
     def _rotate(self, x: np.ndarray) -> np.ndarray:
         return cpu_rotation.rotate(x, self.inv_sqrt_d) if self.rotation else x
@@ -73,10 +73,8 @@ class IntCodesNumba:
         with np.errstate(over="ignore"):
             return {"codes": codes, "scale": scale.astype(np.float16), "offset": offset.astype(np.float16)}
 
-    # -- kernels: CUDA input goes to the CUDA twin, host input to threads.run(work, cpu kernel) --
-    def encode_keys(self, k: Any, ctx: KernelContext) -> Fields:
-        if is_cuda_input(k):
-            return self._gpu().encode_keys(k, ctx)
+    # -- host kernels (kvq_numba.route sends CUDA input to the twin): threads.run(work, cpu kernel) --
+    def encode_keys_cpu(self, k: Any, ctx: KernelContext) -> Fields:
         return threads.run(math.prod(ctx.shape) * threads.ENCODE_WEIGHT, self._encode_keys, k)
 
     def _encode_keys(self, k: Any) -> Fields:
@@ -89,9 +87,7 @@ class IntCodesNumba:
             fields["norm"] = norm
         return fields
 
-    def decode_keys(self, fields: Fields, ctx: KernelContext) -> Any:
-        if is_cuda_input(fields["codes"]):
-            return self._gpu().decode_keys(fields, ctx)
+    def decode_keys_cpu(self, fields: Fields, ctx: KernelContext) -> Any:
         return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode_keys, fields)
 
     def _decode_keys(self, fields: Fields) -> np.ndarray:
@@ -101,18 +97,14 @@ class IntCodesNumba:
             cpu_rotation.scale_tokens(k, as_float32(fields["norm"]))
         return self._rotate(k)
 
-    def encode_values(self, v: Any, ctx: KernelContext) -> Fields:
-        if is_cuda_input(v):
-            return self._gpu().encode_values(v, ctx)
+    def encode_values_cpu(self, v: Any, ctx: KernelContext) -> Fields:
         return threads.run(math.prod(ctx.shape) * threads.ENCODE_WEIGHT, self._encode_values, v)
 
     def _encode_values(self, v: Any) -> Fields:
         vr = self._rotate(as_float32(v))
         return self._fields(*cpu_intquant.encode_channel_groups(vr, self.bits, self.value_group, self.zero_mode))
 
-    def decode_values(self, fields: Fields, ctx: KernelContext) -> Any:
-        if is_cuda_input(fields["codes"]):
-            return self._gpu().decode_values(fields, ctx)
+    def decode_values_cpu(self, fields: Fields, ctx: KernelContext) -> Any:
         return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode_values, fields)
 
     def _decode_values(self, fields: Fields) -> np.ndarray:
@@ -121,11 +113,9 @@ class IntCodesNumba:
                                                self.spec.head_dim)
         return self._rotate(v)
 
-    def attend(self, q: Any, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
+    def attend_cpu(self, q: Any, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
         """Scores from the codes in the rotated domain (``(Hq)·(Hk) = q·k``); one un-rotation of the output.
         2- and 4-bit rows of whole 8-byte chunks take the vector kernel (cpu_attend_planes), others the general one."""
-        if is_cuda_input(q):
-            return self._gpu().attend(q, kfields, vfields, ctx, scale)
         b, hq, lq, d = q.shape
         return threads.run(b * hq * lq * ctx.shape[2] * d, self._attend, q, kfields, vfields, ctx.shape[1], scale)
 
@@ -149,7 +139,7 @@ class IntCodesNumba:
                 half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
 
     def domains(self, consts: Any) -> tuple[Any, Any]:
-        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu_paged`): ``to_keys`` maps queries
+        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu.paged`): ``to_keys`` maps queries
         ``[1, kv_heads, rows, d]`` into the keys' domain (H, or nothing); ``back(pacc, jobs)`` brings CODES
         jobs' partial outputs ``[jobs, ROWS * d]`` from the values' domain to the original one, in place
         (None: the same domain). ``consts`` is unused: the Hadamard has no per-layer constants."""
@@ -163,13 +153,13 @@ class IntCodesNumba:
 
         return self._rotate, back
 
-    def fuses_window(self, q: Any) -> bool:
-        """:meth:`attend_window` runs for host queries over code rows the vector kernel takes (cpu_attend_planes.fits)."""
-        return not is_cuda_input(q) and cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group)
+    def fuses_window_cpu(self) -> bool:
+        """:meth:`attend_window` runs (for host queries) over code rows the vector kernel takes (cpu_attend_planes.fits)."""
+        return cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group)
 
     def attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                       ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
-        """Packed blocks then an exact window in one plan and one combine (:mod:`kvq_numba.cpu_window`)."""
+        """Packed blocks then an exact window in one plan and one combine (:mod:`kvq_numba.cpu.window`)."""
         b, hq, lq, d = q.shape
         work = b * hq * lq * (ctx.shape[2] + window_k.shape[2]) * d
         return threads.run(work, self._attend_window, q, blocks, window_k, window_v, ctx.shape[1], scale)

@@ -1,5 +1,6 @@
-"""The Numba kernels of OCTOPUS: NumPy/CPU input runs :mod:`kvq_numba.cpu_octopus` and the fused
-:func:`kvq_numba.cpu_attend_octopus.attend_octopus`; CUDA input runs :mod:`kvq_numba.gpu_octopus`."""
+"""The Numba kernels of OCTOPUS: NumPy/CPU input runs :mod:`kvq_numba.cpu.octopus` and the fused
+:func:`kvq_numba.cpu.attend_octopus.attend_octopus`; CUDA input runs :mod:`kvq_numba.gpu.octopus`
+(:mod:`kvq_numba.route`)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +10,13 @@ import numpy as np
 
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.octopus import OctopusSpec
-from kvq_numba import compile_notice, cpu_attend_octopus, cpu_octopus, cpu_window, threads
-from kvq_numba.arrays import as_float32, is_cuda_input
-from kvq_numba.cpu_common import fwht_heads, half_bits, inv_sqrt
+from kvq_numba import compile_notice, threads
+from kvq_numba.arrays import as_float32
+from kvq_numba.cpu import attend_octopus as cpu_attend_octopus
+from kvq_numba.cpu import octopus as cpu_octopus
+from kvq_numba.cpu import window as cpu_window
+from kvq_numba.cpu.common import fwht_heads, half_bits, inv_sqrt
+from kvq_numba.route import DeviceRouted
 
 compile_notice.install()
 threads.prefer_tbb()
@@ -23,13 +28,14 @@ _NO_NORMS = np.zeros((1, 1, 1), np.float32)
 _NO_HALVES = np.zeros((1, 1, 1, 1), np.uint16)
 
 
-class OctopusNumba:
+class OctopusNumba(DeviceRouted):
     """OCTOPUS encode/decode/attend; keys (and octopus-coded values) stay rotated inside attend."""
+
+    CUDA_TWIN = "kvq_numba.gpu.octopus:OctopusCuda"
 
     def __init__(self, spec: OctopusSpec) -> None:
         self.spec = spec
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
-        self._cuda: Any = None
         self._table: tuple[Any, np.ndarray] | None = None
         #: values stored as float16 rows (original domain) rather than coded (rotated domain)
         self.values_fp16 = self._fp16_values(spec)
@@ -37,13 +43,6 @@ class OctopusNumba:
     @staticmethod
     def _fp16_values(spec: Any) -> bool:
         return spec.values == "fp16"
-
-    def _gpu(self) -> Any:
-        if self._cuda is None:
-            from kvq_numba.gpu_octopus import OctopusCuda
-
-            self._cuda = OctopusCuda(self)
-        return self._cuda
 
     def _books(self, consts: Any) -> tuple[Any, ...]:
         """Decode constants in kernel argument order (after the code arrays): the triplet code
@@ -70,35 +69,25 @@ class OctopusNumba:
                                   np.ascontiguousarray(consts["signs"]), self.inv_sqrt_d, *self._books(consts),
                                   self.spec.head_dim)
 
-    # -- kernels: CUDA input goes to the CUDA twin, host input to threads.run(work, cpu kernel) --
-    def encode_keys(self, k: Any, ctx: KernelContext) -> Fields:
-        if is_cuda_input(k):
-            return self._gpu().encode_keys(k, ctx)
+    # -- host kernels (kvq_numba.route sends CUDA input to the twin): threads.run(work, cpu kernel) --
+    def encode_keys_cpu(self, k: Any, ctx: KernelContext) -> Fields:
         return threads.run(math.prod(ctx.shape) * threads.OCTOPUS_ENCODE_WEIGHT, self._encode, k, ctx.consts)
 
-    def decode_keys(self, fields: Fields, ctx: KernelContext) -> Any:
-        if is_cuda_input(fields["codes"]):
-            return self._gpu().decode_keys(fields, ctx)
+    def decode_keys_cpu(self, fields: Fields, ctx: KernelContext) -> Any:
         return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode, fields, ctx.consts)
 
-    def encode_values(self, v: Any, ctx: KernelContext) -> Fields:
-        if is_cuda_input(v):
-            return self._gpu().encode_values(v, ctx)
+    def encode_values_cpu(self, v: Any, ctx: KernelContext) -> Fields:
         if self.values_fp16:
             return {"data": as_float32(v).astype(np.float16)}
         return threads.run(math.prod(ctx.shape) * threads.OCTOPUS_ENCODE_WEIGHT, self._encode, v, ctx.consts)
 
-    def decode_values(self, fields: Fields, ctx: KernelContext) -> Any:
-        if is_cuda_input(next(iter(fields.values()))):
-            return self._gpu().decode_values(fields, ctx)
+    def decode_values_cpu(self, fields: Fields, ctx: KernelContext) -> Any:
         if self.values_fp16:
             return np.asarray(fields["data"]).astype(np.float32)
         return threads.run(math.prod(ctx.shape) * threads.DECODE_WEIGHT, self._decode, fields, ctx.consts)
 
-    def attend(self, q: Any, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
+    def attend_cpu(self, q: Any, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
         """Score ``gamma_j <R q, v_hat_j>`` from the codes; un-rotate the output once (octopus values)."""
-        if is_cuda_input(q):
-            return self._gpu().attend(q, kfields, vfields, ctx, scale)
         b, hq, lq, d = q.shape
         return threads.run(b * hq * lq * ctx.shape[2] * d, self._attend, q, kfields, vfields, ctx, scale)
 
@@ -123,7 +112,7 @@ class OctopusNumba:
                 *self._books(ctx.consts), np.float32(scale))
 
     def domains(self, consts: Any) -> tuple[Any, Any]:
-        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu_paged`) for one layer's
+        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu.paged`) for one layer's
         ``consts``: ``to_keys`` maps queries ``[1, kv_heads, rows, d]`` to the keys' domain (signs, then
         H); ``back(pacc, jobs)`` brings CODES jobs' partial outputs ``[jobs, ROWS * d]`` from the values'
         domain to the original one in place (H, then the job's kv head's signs; None for fp16 values)."""
@@ -143,13 +132,13 @@ class OctopusNumba:
 
         return to_keys, back
 
-    def fuses_window(self, q: Any) -> bool:
-        """:meth:`attend_window` runs for host queries (NumPy, CPU tensors)."""
-        return not is_cuda_input(q)
+    def fuses_window_cpu(self) -> bool:
+        """:meth:`attend_window` runs for every host query (NumPy, CPU tensors)."""
+        return True
 
     def attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                       ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
-        """Packed blocks then an exact window in one plan and one combine (:mod:`kvq_numba.cpu_window`)."""
+        """Packed blocks then an exact window in one plan and one combine (:mod:`kvq_numba.cpu.window`)."""
         b, hq, lq, d = q.shape
         work = b * hq * lq * (ctx.shape[2] + window_k.shape[2]) * d
         return threads.run(work, self._attend_window, q, blocks, window_k, window_v, ctx, scale)

@@ -1,18 +1,18 @@
 """``kvq::attend_paged`` on the Numba CPU kernels: OScaR and KIVI at 2 and 4 bits
-(:func:`kvq_numba.cpu_attend_planes.planes_jobs`) and OCTOPUS
-(:func:`kvq_numba.cpu_attend_octopus.octopus_jobs`) read the pages through the block table, the same
+(:func:`kvq_numba.cpu.attend_planes.planes_jobs`) and OCTOPUS
+(:func:`kvq_numba.cpu.attend_octopus.octopus_jobs`) read the pages through the block table, the same
 kernels that serve contiguous blocks (the trivial page table). Other specs, and CUDA tensors (numba's
 CUDA kernels have no paged variant), take the torch fallback (``kvq_torch.paged``, through the table).
 
 Per call: queries are rotated once into the keys' domain, the work is planned (split-KV jobs per
 request, kv head and tile of query rows, plus one job per tile for the exact tail), the CODES jobs'
 partial outputs are brought back from the values' domain (the kernel class's ``domains``, as in
-``KVQCache``'s fused window attend, :mod:`kvq_numba.cpu_window`), the TAIL jobs score the staged
+``KVQCache``'s fused window attend, :mod:`kvq_numba.cpu.window`), the TAIL jobs score the staged
 exact tokens with the original queries straight from the staging buffer (by slot: no copy, no
 rotation of the tail), and a log-sum-exp combine merges each tile's jobs. Nothing loops over
 requests in Python. The plan depends only on the batch's lengths, so the layers of an engine step
 share it (kept for the next call with equal lengths, compared by value); a small call runs on one
-thread (:class:`kvq_numba.cpu_paged.Plan`).
+thread (:class:`kvq_numba.cpu.paged.Plan`).
 
 **Many query tokens** (a prefill chunk, a prefix-cache tail, recompute): a request with at least
 :data:`DENSE_MIN_QUERY` query tokens is served by decoding its context to float32 K/V once (its
@@ -33,13 +33,17 @@ import numpy as np
 import torch
 
 from kvq_core.constants import constants
-from kvq_core.dispatch.table import PAGED_FALLBACK, paged_kernel
-from kvq_core.kernels import KernelContext, resolve
+from kvq_core.dispatch.run import PAGED_FALLBACK, paged_kernel
+from kvq_core.kernels import KernelContext
 from kvq_core.paged import GROUP, PageLayout, gather_rows
+from kvq_core.registry import kernel_factory
 from kvq_core.spec import MethodSpec
-from kvq_numba import cpu_attend_octopus, cpu_attend_planes, cpu_paged, threads
+from kvq_numba import threads
+from kvq_numba.cpu import attend_octopus as cpu_attend_octopus
+from kvq_numba.cpu import attend_planes as cpu_attend_planes
+from kvq_numba.cpu import paged as cpu_paged
 from kvq_numba.arrays import as_float32
-from kvq_numba.plugin import KERNELS, supports
+from kvq_numba.plugin import NAME, supports
 
 #: fewest query tokens of a request that take the decode-then-flash path (module docstring)
 DENSE_MIN_QUERY = 16
@@ -61,7 +65,7 @@ class PagedNumba:
 
     def __init__(self, spec: MethodSpec) -> None:
         self.spec, self.spec_json = spec, spec.to_json()
-        self.impl = resolve(KERNELS[spec.method])(spec)
+        self.impl = kernel_factory(NAME, spec.method)(spec)
         ok, _ = supports(spec, "cpu")
         if spec.method == "octopus":
             self.fast = ok

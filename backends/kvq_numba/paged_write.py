@@ -3,13 +3,13 @@ by the backend's own kernels and written byte for byte into the page rows at the
 any strides): no field tensors, no ``PageLayout.pack``, no torch indexing. Specs numba does not run
 and CUDA tensors take the torch writer (``kvq_torch.paged_write``, the reference, through the table).
 
-- OCTOPUS: one kernel per call, :func:`kvq_numba.cpu_paged_write.write_octopus`, encodes each
+- OCTOPUS: one kernel per call, :func:`kvq_numba.cpu.paged_write.write_octopus`, encodes each
   token's K and V rows straight into its page row. It runs once per layer and decode step (30
   layers, a few tokens each), so the Python around it is the minimum: its constants and columns
   are built once per (layer, head offset, page shape), a small write runs the single-threaded
   kernel (no thread-count switch), a large one the parallel kernel.
 - OScaR, KIVI: the encoders (:mod:`kvq_numba.intcodes`, whole key groups) then
-  :func:`kvq_numba.cpu_paged_write.scatter_rows` (a group's statistics striped over its rows).
+  :func:`kvq_numba.cpu.paged_write.scatter_rows` (a group's statistics striped over its rows).
 """
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ import numpy as np
 import torch
 
 from kvq_core.constants import constants
-from kvq_core.dispatch.table import PAGED_FALLBACK, paged_writer
-from kvq_core.kernels import KernelContext, resolve
+from kvq_core.dispatch.run import PAGED_FALLBACK, paged_writer
+from kvq_core.kernels import KernelContext
 from kvq_core.paged import GROUP, HEADS, PageLayout, step_blocks
+from kvq_core.registry import kernel_factory
 from kvq_core.spec import MethodSpec
-from kvq_numba import cpu_paged_write, threads
+from kvq_numba import threads
+from kvq_numba.cpu import paged_write as cpu_paged_write
 from kvq_numba.arrays import as_float32
-from kvq_numba.plugin import KERNELS, supports
+from kvq_numba.plugin import NAME, supports
 
 _STRIPES = {GROUP: cpu_paged_write.GROUP, HEADS: cpu_paged_write.HEADS}
 #: float16 values of an OCTOPUS spec whose values are coded (none)
@@ -37,7 +39,7 @@ class PagedWriteNumba:
 
     def __init__(self, spec: MethodSpec) -> None:
         self.spec, self.spec_json = spec, spec.to_json()
-        self.impl = resolve(KERNELS[spec.method])(spec)
+        self.impl = kernel_factory(NAME, spec.method)(spec)
         self.fast = supports(spec, "cpu")[0]
         self._layouts: dict[tuple[int, int], tuple[PageLayout, np.ndarray]] = {}
         self._octopus: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}

@@ -1,7 +1,8 @@
 """Registers the ``numba`` backend: ``@njit`` CPU kernels, and ``numba.cuda`` kernels for CUDA input.
 
 Kernel classes are lazy ``"module:Class"`` references (a failing import makes only that method
-unavailable).
+unavailable), called directly by the Quantizer on NumPy or torch input like NumPy's
+(``torch_ops=False``); its paged classes serve the ``kvq::attend_paged`` / ``kvq::write_paged`` ops.
 :func:`supports` says per (spec, device) whether the backend runs it and, if not, why;
 :func:`kvq_select_backend` makes ``backend="auto"`` pick numba on the CPU where it supports the method.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from kvq_core.dispatch.table import register_paged_kernel, register_paged_writer
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.registry import make_spec
@@ -28,7 +28,7 @@ KERNELS: dict[str, str] = {
 }
 #: methods whose ``kvq::attend_paged`` the numba kernels serve (kvq_numba.paged); the others take torch's
 PAGED_METHODS = ("oscar", "kivi", "octopus")
-#: methods with CUDA kernels, and the largest head_dim their shared rows hold (gpu_common.MAX_D)
+#: methods with CUDA kernels, and the largest head_dim their shared rows hold (gpu.common.MAX_D)
 CUDA_METHODS = ("oscar", "octopus")
 CUDA_MAX_HEAD_DIM = 256
 #: widest OCTOPUS triplet code the kernels read (three bytes from any bit offset)
@@ -99,11 +99,10 @@ PAGED_WRITE = "kvq_numba.paged_write:PagedWriteNumba"
 
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
-    for method in PAGED_METHODS:
-        register_paged_kernel(NAME, method, PAGED)
-        register_paged_writer(NAME, method, PAGED_WRITE)
     register(BackendInfo(NAME, KERNELS, NumbaArrays(), _available, supports=supports,
-                         summary="Numba: @njit CPU kernels; numba.cuda kernels for CUDA input"))
+                         summary="Numba: @njit CPU kernels; numba.cuda kernels for CUDA input",
+                         paged={method: PAGED for method in PAGED_METHODS},
+                         paged_write={method: PAGED_WRITE for method in PAGED_METHODS}))
 
 
 @hookimpl

@@ -5,7 +5,7 @@ x / n`` (the same seeded signed Hadamard), in the rotated domain inside attend. 
 each coordinate with ``b`` bits, packed least significant bit first; three consecutive codes are
 then one ``3b``-bit code at bit ``3bj``, exactly where OCTOPUS's triplet ``j`` lies, so
 :func:`coord_table` (entry ``i0 | i1 << b | i2 << 2b`` -> ``(c[i0], c[i1], c[i2])``) lets the triplet
-decoder, the fused attend (:mod:`kvq_numba.cpu_attend_octopus`) and the window kernel read them
+decoder, the fused attend (:mod:`kvq_numba.cpu.attend_octopus`) and the window kernel read them
 unchanged. Served: Hadamard rotation, one code field (``high_bits_coords=0``), ``3b <= 17``.
 
 Encode repeats the reference's float32 steps (norms in NumPy's pairwise order, the thresholds'
@@ -19,9 +19,9 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_core.methods.turboquant import TurboQuantSpec, codebook_key, thresholds_key
-from kvq_numba import cpu_octopus
 from kvq_numba.arrays import as_float32
-from kvq_numba.cpu_common import fwht_heads, pack_row, sum_squares
+from kvq_numba.cpu import octopus as cpu_octopus
+from kvq_numba.cpu.common import fwht_heads, pack_row, sum_squares
 from kvq_numba.octopus import OctopusNumba
 
 Fields = dict[str, Any]

@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from kvq_core.layout import host_all_finite, to_host
+from kvq_core.host_arrays import host_all_finite, to_host
 
 
 class NumpyArrays:

@@ -10,7 +10,8 @@ Layout of this package:
 - ``kvq_torch/<method>.py`` - one :class:`TorchMethod` subclass per method;
 - :mod:`kvq_torch.compiled` - the inductor wrapper behind ``"torch-compiled"``;
 - :mod:`kvq_torch.plugin` - the ``KERNELS`` table (lazy ``"module:Class"`` references) and the
-  registration: table entries for both backends (``kvq_core.dispatch.calls.op_backend``).
+  registration: one ``BackendInfo`` per backend, both ``torch_ops``, ``torch-compiled`` with
+  ``adapt=compiled``.
 
 Adding a method (e.g. ``octopus``):
 

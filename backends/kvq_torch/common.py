@@ -8,9 +8,11 @@ differs (then only at genuine rounding ties, see :mod:`kvq_core.testing`).
 
 Contents:
 
-- :class:`TorchMethod`: the base of a method's torch kernels (what they receive, the
+- :class:`TorchMethod`: the base of a method's kernels on every ``torch_ops`` backend (kvq's
+  ``torch``, ``torch-compiled`` and ``triton``, and plugins' kernels; the one class plugin authors
+  subclass, see docs/plugins.md); what they receive, the
   :class:`~kvq_core.dispatch.torch_kernels.TorchContext`, and the per-device constant cache live
-  in :mod:`kvq_core.dispatch`);
+  in :mod:`kvq_core.dispatch`;
 - :func:`pack_codes` / :func:`unpack_codes`: the bit rule of :mod:`kvq_core.layout`;
 - :func:`fwht`: the butterfly of :func:`kvq_core.math.hadamard.fwht`, stage for stage;
 - :func:`hadamard_rotate`: the same rotation as a matmul by the core's <= 128-wide factor plus
@@ -32,27 +34,67 @@ from typing import Any
 import torch
 
 from kvq_core.dispatch.torch_kernels import Consts, Fields, TorchContext
-from kvq_core.dispatch.torch_kernels import TorchMethod as BaseTorchMethod
 from kvq_core.layout import packed_row_bytes
 from kvq_core.math.hadamard import hadamard_block
+from kvq_core.spec import MethodSpec
 
 
 # --------------------------------------------------------------------------------------------
 # method base class
 # --------------------------------------------------------------------------------------------
-class TorchMethod(BaseTorchMethod):
-    """Base of a method's kernels on the torch backends (one subclass per method, listed in
-    ``plugin.KERNELS``): :class:`kvq_core.dispatch.torch_kernels.TorchMethod` with a default
-    ``attend`` over the decoded K/V (override to score from the codes).
+class TorchMethod:
+    """Base of a method's kernels on a ``torch_ops`` backend (one subclass per method and backend,
+    listed in the backend's kernel table or registered by a plugin with ``kvq_register_kernels``).
 
-    Pure functions of tensors: no NumPy, no ``.item()``/Python branches on tensor *values* (that
-    breaks compile and export); return fresh tensors with the layout's exact dtypes and shapes.
+    Subclasses implement the functions of :class:`kvq_core.kernels.MethodKernels` on torch
+    tensors with a :class:`~kvq_core.dispatch.torch_kernels.TorchContext` (tensor constants on the
+    data's device) in place of the NumPy one:
+
+    - ``encode_keys(k, ctx) -> dict`` of fields (any float dtype in; compute in float32),
+    - ``decode_keys(fields, ctx) -> float32 [b, h, t, d]``,
+    - ``encode_values`` / ``decode_values``: by default the key functions,
+    - ``attend(q, kfields, vfields, ctx, scale) -> (out float32 [b, hq, lq, d], lse float32 [b, hq, lq])``:
+      by default a softmax over the decoded K/V (override to score from the codes);
+    - for a codec that clips, ``clips(kind)`` and ``ste_grad`` (``kvq::fake_quant``'s gradient).
+
+    Field dtypes and shapes must be exactly the spec's layout (uint8 code rows, float16/float32
+    side fields); read sizes from the tensors or from ``ctx.shape``. Pure functions of tensors:
+    no NumPy, no ``.item()``/Python branches on tensor *values* (that breaks compile and export);
+    return fresh tensors.
     """
+
+    def __init__(self, spec: MethodSpec) -> None:
+        self.spec = spec
+
+    def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
+        raise NotImplementedError
+
+    def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode_values(self, v: torch.Tensor, ctx: TorchContext) -> Fields:
+        return self.encode_keys(v, ctx)
+
+    def decode_values(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
+        return self.decode_keys(fields, ctx)
 
     def attend(
         self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_attend(q.float(), self.decode_keys(kfields, ctx), self.decode_values(vfields, ctx), scale)
+
+    def clips(self, kind: str) -> bool:
+        """Whether encoding ``kind`` clips: some inputs lie outside the range the codes can
+        represent, beyond rounding. False (the default): ``kvq::fake_quant``'s straight-through
+        gradient is the identity; True: it is :meth:`ste_grad`."""
+        return False
+
+    def ste_grad(self, x: torch.Tensor, grad: torch.Tensor, ctx: TorchContext, kind: str) -> torch.Tensor:
+        """The straight-through gradient at ``x`` of a codec that clips (:meth:`clips`): ``grad``
+        with the clipped components zeroed, in the domain where the codec clips. It must be linear
+        in ``grad`` and symmetric (its own adjoint), which ``kvq::fake_quant_grad``'s own
+        gradient relies on."""
+        raise NotImplementedError(f"{type(self).__name__} clips {kind} but has no ste_grad")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,14 +1,16 @@
 """Registers the torch backends through kvq's hooks, like any third-party plugin.
 
-- ``"torch"``: eager; every kernel call is one ``kvq::`` custom op (:mod:`kvq_core.dispatch.ops`)
-  served by the classes of ``KERNELS``, so a user's ``torch.compile(fullgraph=True)`` or
+- ``"torch"``: eager; every kernel call is one ``kvq::`` custom op (:mod:`kvq_core.dispatch.ops`,
+  ``BackendInfo.torch_ops``) served by the classes of ``KERNELS``, so a user's ``torch.compile(fullgraph=True)`` or
   ``torch.export`` over kvq calls keeps each op as one opaque graph node, with no graph break.
 - ``"torch-compiled"``: the same classes, each kernel function compiled by inductor
-  (:mod:`kvq_torch.compiled`), through the same ops; codes are bit-identical to ``"torch"``.
+  (:mod:`kvq_torch.compiled`, the backend's ``BackendInfo.adapt``), through the same ops; codes
+  are bit-identical to ``"torch"``.
 
 Adding a method: write one :class:`kvq_torch.common.TorchMethod` subclass in
 ``kvq_torch/<method>.py`` and add one line to ``KERNELS``; a third-party plugin registers its
-subclass with the ``kvq_register_kernels`` hook instead (``kernel_entry`` routes it the same way).
+subclass with the ``kvq_register_kernels`` hook instead, and it runs exactly the same way (the
+registry stores it in the backend's table and applies the backend's ``adapt``).
 
 Importing this module does not import torch (only checks it is installed): torch loads when a
 kernel or the array adapter is first used, so ``kvq_core`` with a NumPy or Numba quantizer
@@ -24,10 +26,8 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from kvq_core.dispatch.calls import op_backend
-from kvq_core.dispatch.table import register_paged_kernel, register_paged_writer
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import BackendInfo, Deferred
+from kvq_core.kernels import ALL_METHODS, BackendInfo
 
 if importlib.util.find_spec("torch") is None:  # no torch: this plugin registers nothing, with the reason
     raise ModuleNotFoundError("No module named 'torch' (pip install torch)", name="torch")
@@ -85,30 +85,11 @@ def _torch_version() -> str:
 
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
-    arrays = ARRAYS
-    for method in KERNELS:
-        register_paged_kernel(EAGER, method, PAGED)
-        register_paged_writer(EAGER, method, PAGED_WRITE)
-    register(BackendInfo(EAGER, op_backend(EAGER, KERNELS), arrays,
-                         summary=f"PyTorch {_torch_version()} eager: kvq:: custom ops (CPU/CUDA; compile/export friendly)",
-                         kernel_entry=_eager_entry))
-    compiled_kernels = {m: Deferred(ref, compiled) for m, ref in KERNELS.items()}
-    register(BackendInfo(COMPILED, op_backend(COMPILED, compiled_kernels), arrays, _compiled_available,
-                         summary="PyTorch kernels compiled by inductor, codes bit-identical to 'torch'",
-                         kernel_entry=_compiled_entry))
-
-
-def _eager_entry(method: str, ref: object) -> object:
-    """A plugin's TorchMethod subclass (or its reference) for ``method``, served through the kvq:: ops
-    (``kvq::attend_paged`` too, by the decoding fallback, and ``kvq::write_paged``)."""
-    register_paged_kernel(EAGER, method, PAGED)
-    register_paged_writer(EAGER, method, PAGED_WRITE)
-    return op_backend(EAGER, {method: ref})[method]
-
-
-def _compiled_entry(method: str, ref: object) -> object:
-    """The same, each kernel function compiled by inductor (as the built-in methods are)."""
-    return op_backend(COMPILED, {method: Deferred(ref, compiled)})[method]
+    register(BackendInfo(EAGER, KERNELS, ARRAYS, torch_ops=True,
+                         paged={ALL_METHODS: PAGED}, paged_write={ALL_METHODS: PAGED_WRITE},
+                         summary=f"PyTorch {_torch_version()} eager: kvq:: custom ops (CPU/CUDA; compile/export friendly)"))
+    register(BackendInfo(COMPILED, KERNELS, ARRAYS, _compiled_available, torch_ops=True, adapt=compiled,
+                         summary="PyTorch kernels compiled by inductor, codes bit-identical to 'torch'"))
 
 
 @hookimpl

@@ -1,9 +1,9 @@
 """Registers the ``triton`` backend through kvq's hooks.
 
-Like the torch backends, every kernel call is one ``kvq::`` op carrying the backend name
-(:mod:`kvq_core.dispatch`); this plugin only adds kernel-table entries (lazy ``"module:Class"``
-references to :class:`kvq_torch.common.TorchMethod` subclasses, so a method whose module fails
-to import is the only one unavailable) and answers ``supports(spec, device)``. Neither Triton
+Like the torch backends (``BackendInfo.torch_ops``), every kernel call is one ``kvq::`` op
+carrying the backend name (:mod:`kvq_core.dispatch`); this plugin only registers its kernel table
+(lazy ``"module:Class"`` references to :class:`kvq_torch.common.TorchMethod` subclasses, so a
+method whose module fails to import is the only one unavailable) and answers ``supports(spec, device)``. Neither Triton
 nor the kernels are imported until a kernel runs: ``kvq list`` shows ``triton`` with the reason
 it cannot run here.
 
@@ -16,8 +16,6 @@ import functools
 import importlib
 from collections.abc import Callable
 
-from kvq_core.dispatch.calls import op_backend
-from kvq_core.dispatch.table import register_paged_kernel
 from kvq_core.hookspecs import hookimpl
 from kvq_core.kernels import BackendInfo
 from kvq_core.registry import install_hint
@@ -107,11 +105,10 @@ PAGED = "kvq_triton.paged:PagedTriton"
 
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
-    for method in KERNELS:
-        register_paged_kernel(NAME, method, PAGED)
-    register(BackendInfo(NAME, op_backend(NAME, KERNELS), "kvq_triton.arrays:TritonArrays", is_available,
+    register(BackendInfo(NAME, KERNELS, "kvq_triton.arrays:TritonArrays", is_available,
                          summary="Triton GPU kernels: packed encode/decode, fused split-KV decode attention "
-                                 "(CUDA; CPU under TRITON_INTERPRET=1)", supports=supports))
+                                 "(CUDA; CPU under TRITON_INTERPRET=1)", supports=supports,
+                         torch_ops=True, paged={method: PAGED for method in KERNELS}))
 
 
 @hookimpl

@@ -2,15 +2,14 @@
 carrying the backend's name, so a user's ``torch.compile(fullgraph=True)`` or ``torch.export``
 over kvq calls keeps each as one opaque graph node.
 
-torch is imported when an :class:`OpKernels` is built, not with this module: a plugin registers
-its table entries (:func:`op_backend`) without importing torch."""
+The Quantizer builds one for a backend whose ``BackendInfo.torch_ops`` is set, in place of the
+backend's kernel class (which the op bodies, :mod:`kvq_core.dispatch.run`, get from the registry).
+torch is imported when an :class:`OpKernels` is built, not with this module."""
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from kvq_core.dispatch.table import register_kernel
-from kvq_core.kernels import Deferred, KernelContext
+from kvq_core.kernels import KernelContext
 from kvq_core.spec import MethodSpec
 
 
@@ -60,12 +59,3 @@ class OpKernels:
         vf = [vfields[n] for n in self.names["values"]]
         return self.attend_op(self.backend, self.spec_json, ctx.layer, q, kf, vf, list(ctx.shape), float(scale))
 
-
-def op_backend(backend: str, kernels: "dict[str, Any]") -> dict[str, Deferred]:
-    """Add ``kernels`` (method -> kernel class or ``"module:Attr"``) to the table under ``backend``
-    and return the backend's ``BackendInfo.kernels``: per method, an :class:`OpKernels` factory
-    that the registry resolves only once the kernel class imports (so a failing kernel module
-    makes only its method unavailable, with the reason)."""
-    for method, ref in kernels.items():
-        register_kernel(backend, method, ref)
-    return {method: Deferred(ref, lambda _cls: functools.partial(OpKernels, backend)) for method, ref in kernels.items()}

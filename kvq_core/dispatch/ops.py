@@ -2,7 +2,7 @@
 
 The schemas carry the backend name, so several torch-tensor backends (torch, torch-compiled,
 triton, numba) coexist on one device; the bodies (:mod:`kvq_core.dispatch.run`) look the kernel
-up in :mod:`kvq_core.dispatch.table`::
+up in the registry (:mod:`kvq_core.registry`)::
 
     kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x, int head_offset=0) -> Tensor[]
     kvq::decode(str backend, str spec_json, int layer, str kind, Tensor[] fields, SymInt[] shape,
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kvq_core.dispatch import run
-from kvq_core.dispatch.table import spec_from_json
+from kvq_core.dispatch.torch_kernels import spec_from_json
 
 NAMESPACE = "kvq"
 

@@ -1,15 +1,60 @@
-"""The bodies of the ``kvq::`` ops: find the backend's kernel in the table and call it.
+"""The bodies of the ``kvq::`` ops: get the backend's kernel object from the registry and call it.
 
-Outputs are made contiguous and never alias an input or each other (custom ops may not alias).
+The registry's table is the only kernel table; the kernel object of a (backend, spec) is built
+once and cached here (dropped when the registry reloads). Outputs are made contiguous and never
+alias an input or each other (custom ops may not alias).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from kvq_core.dispatch.table import kernel, paged_kernel, paged_writer, spec_from_json
-from kvq_core.dispatch.torch_kernels import context, field_names
+from kvq_core import registry
+from kvq_core.dispatch.torch_kernels import context, field_names, spec_from_json
+from kvq_core.errors import BackendUnavailableError
+
+#: the backend whose paged kernels serve a backend that has none for a method (``kvq_torch.paged``)
+PAGED_FALLBACK = "torch"
+
+
+@functools.lru_cache(maxsize=1024)
+def kernel(backend: str, spec_json: str) -> Any:
+    """The kernel object of ``backend`` for the spec ``spec_json`` names: the registry's kernel
+    class built for the spec (cached)."""
+    spec = spec_from_json(spec_json)
+    return registry.kernel_factory(backend, spec.method)(spec)
+
+
+def _paged(backend: str, spec_json: str, write: bool) -> Any:
+    """``backend``'s paged kernel for the spec, else :data:`PAGED_FALLBACK`'s, built for the spec."""
+    spec = spec_from_json(spec_json)
+    factory = (registry.paged_factory(backend, spec.method, write)
+               or registry.paged_factory(PAGED_FALLBACK, spec.method, write))
+    if factory is None:
+        op = "write_paged" if write else "attend_paged"
+        raise BackendUnavailableError(
+            f"kvq::{op}: neither {backend!r} nor {PAGED_FALLBACK!r} has a kernel for {spec.method!r}")
+    return factory(spec)
+
+
+@functools.lru_cache(maxsize=1024)
+def paged_kernel(backend: str, spec_json: str) -> Any:
+    """The paged-attention kernel of ``backend`` for the spec, else :data:`PAGED_FALLBACK`'s (cached)."""
+    return _paged(backend, spec_json, write=False)
+
+
+@functools.lru_cache(maxsize=1024)
+def paged_writer(backend: str, spec_json: str) -> Any:
+    """The paged-write kernel of ``backend`` for the spec, else :data:`PAGED_FALLBACK`'s (cached)."""
+    return _paged(backend, spec_json, write=True)
+
+
+registry.on_reload(kernel.cache_clear)
+registry.on_reload(paged_kernel.cache_clear)
+registry.on_reload(paged_writer.cache_clear)
 
 
 def fresh(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,19 +1,22 @@
-"""What a torch-tensor backend's table kernels receive and subclass, and the constant cache.
+"""What a torch-tensor backend's kernels receive, and the constant cache.
 
-A kernel class (one per method and backend, listed in :mod:`kvq_core.dispatch.table`) subclasses
-:class:`TorchMethod` and gets a :class:`TorchContext` whose constants are tensors on the data's
-device, fetched once per (spec, kv_heads, layer, device) by :func:`consts_for`.
+A kernel class of a ``torch_ops`` backend (a ``kvq_torch.common.TorchMethod`` subclass, one per
+method and backend, held by the registry) gets a :class:`TorchContext` whose constants are tensors
+on the data's device, fetched once per (spec, kv_heads, layer, device) by :func:`consts_for`; the
+op's ``spec_json`` names the spec (:func:`spec_from_json`).
 """
 from __future__ import annotations
 
+import functools
+import json
 import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
+from kvq_core import registry
 from kvq_core.constants import constants
-from kvq_core.dispatch.table import spec_from_json
 from kvq_core.spec import MethodSpec
 
 Fields = dict[str, torch.Tensor]
@@ -33,55 +36,13 @@ class TorchContext(NamedTuple):
     head_offset: int = 0
 
 
-class TorchMethod:
-    """Base of a method's kernels on a torch-tensor backend (one subclass per method and backend).
+@functools.lru_cache(maxsize=1024)
+def spec_from_json(spec_json: str) -> MethodSpec:
+    """The spec a ``kvq::`` op's ``spec_json`` string names (cached per string)."""
+    return registry.spec_from_dict(json.loads(spec_json))
 
-    Subclasses implement the five functions of :class:`kvq_core.kernels.MethodKernels` on torch
-    tensors with a :class:`TorchContext` (tensor constants) in place of the NumPy one:
 
-    - ``encode_keys(k, ctx) -> dict`` of fields (any float dtype in; compute in float32),
-    - ``decode_keys(fields, ctx) -> float32 [b, h, t, d]``,
-    - ``encode_values`` / ``decode_values`` likewise,
-    - ``attend(q, kfields, vfields, ctx, scale) -> (out float32 [b, hq, lq, d], lse float32 [b, hq, lq])``;
-    - for a codec that clips, ``clips(kind)`` and ``ste_grad`` (``kvq::fake_quant``'s gradient).
-
-    Field dtypes and shapes must be exactly the spec's layout (uint8 code rows, float16/float32
-    side fields). Read sizes from the tensors or from ``ctx.shape``.
-    """
-
-    def __init__(self, spec: MethodSpec) -> None:
-        self.spec = spec
-
-    def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
-        raise NotImplementedError
-
-    def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
-        raise NotImplementedError
-
-    def encode_values(self, v: torch.Tensor, ctx: TorchContext) -> Fields:
-        return self.encode_keys(v, ctx)
-
-    def decode_values(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
-        return self.decode_keys(fields, ctx)
-
-    def attend(
-        self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def clips(self, kind: str) -> bool:
-        """Whether encoding ``kind`` clips: some inputs lie outside the range the codes can
-        represent, beyond rounding. False (the default): ``kvq::fake_quant``'s straight-through
-        gradient is the identity; True: it is :meth:`ste_grad`."""
-        return False
-
-    def ste_grad(self, x: torch.Tensor, grad: torch.Tensor, ctx: TorchContext, kind: str) -> torch.Tensor:
-        """The straight-through gradient at ``x`` of a codec that clips (:meth:`clips`): ``grad``
-        with the clipped components zeroed, in the domain where the codec clips. It must be linear
-        in ``grad`` and symmetric (its own adjoint), which ``kvq::fake_quant_grad``'s own
-        gradient relies on."""
-        raise NotImplementedError(f"{type(self).__name__} clips {kind} but has no ste_grad")
-
+registry.on_reload(spec_from_json.cache_clear)
 
 _consts_cache: dict[tuple[str, int, int, str, int], dict[str, torch.Tensor]] = {}
 _cache_lock = threading.Lock()

@@ -5,7 +5,7 @@ sdpa mask builder under the same name) by :func:`register`; a model loaded with
 ``attn_implementation="kvq"`` then routes every attention call here.
 
 - Called with K/V that a :class:`~kvq_core.hf.layer.KVQLayer` returned in codes mode (the
-  key tensor carries a ``_kvq_context``) and packed blocks to read: where the backend has a fused
+  key tensor carries a ``kvq_context``) and packed blocks to read: where the backend has a fused
   kernel (``Quantizer.fuses_window``: numba on the CPU) and the mask is the plain causal one, one
   ``Quantizer.attend_window(q, blocks, window_k, window_v, scale)`` call per layer and step scores
   every block and the full-precision window in one online softmax. Otherwise the blocks are
@@ -36,7 +36,7 @@ import torch
 
 from kvq_core.errors import InputError, KVQError
 from kvq_core.hf.layer import to_torch
-from kvq_core.hf.view import CodesContext
+from kvq_core.hf.view import CodesContext, context_of
 
 NAME = "kvq"
 
@@ -167,10 +167,10 @@ def kvq_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface function; returns ``(out [b, q_len, q_heads, d], None)``."""
-    ctx = getattr(key, "_kvq_context", None)
+    ctx = context_of(key)
     if ctx is None:
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    ctx.layer._pending_codes = False
+    ctx.layer.mark_attended()
     try:
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
             raise KVQError("kvq attention from codes supports plain softmax attention only (no softcap, no sinks)")

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from kvq_core.errors import KVQError
-from kvq_core.layout import PackedKV, inherit_validation
+from kvq_core.packed import PackedKV
+from kvq_core.tokens import inherit_validation
 
 if TYPE_CHECKING:
     from kvq_core.hf.layer import KVQLayer
@@ -46,7 +47,7 @@ def select_batch(layer: KVQLayer, index: torch.Tensor) -> None:
     if layer.window_length or (layer.keys is not None and layer.keys.dim() == 4):
         layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
         layer.values = layer.values.index_select(0, index.to(layer.values.device))
-    layer._decoded.select(index)
+    layer.select_decoded(index)
     layer.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in layer.blocks)
 
 

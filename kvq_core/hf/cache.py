@@ -211,11 +211,10 @@ class KVQCache(Cache):
                     key_spec, value_spec, layer_idx=i, backend=backend, residual=r, flush=f, stride=stride, chunks=chunks,
                     attention="dequant" if mla is not None else attention, cache_decoded=cache_decoded,
                     config=text_config, sliding_window=kwargs.get("sliding_window") if kind == "sliding_attention" else None,
+                    rollback=self._rollback,
                 )
             )
         super().__init__(layers=layers)
-        for layer in self.kvq_layers:
-            layer._abort = self._rollback
         self.mla = mla is not None
         unchosen = {i: why for i, why in self.exact_layers.items() if why != "fp_layers"}
         if unchosen:

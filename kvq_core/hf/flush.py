@@ -16,7 +16,7 @@ exactly); *after* that, tokens are packed:
   encodes S tokens at once, up to S - 1 of them ahead of need: those stay in the window and are
   read exact until they age out, so attention is unchanged, decoding encodes once per S steps,
   and the cache holds up to S - 1 tokens twice (codes and exact). Per-step blocks are
-  joined as they come (:func:`join_range`, :func:`kvq_core.layout.concat_tokens`), keeping
+  joined as they come (:func:`join_range`, :func:`kvq_core.tokens.concat_tokens`), keeping
   O(log n) blocks (each over :data:`JOIN_RATIO` times the next). A multi-token step attends its whole window exactly (as a prefill does), so
   its queries see ``residual``..``residual + chunk - 1`` exact tokens; with ``chunks="decode"``
   and the ``"kvq"`` attention function each of them sees what it would decoding one token at a
@@ -27,7 +27,7 @@ exactly); *after* that, tokens are packed:
 ``residual=0`` packs everything after each step under both.
 
 Under both policies, adjacent blocks join by the same rule when the layouts allow it
-(:func:`kvq_core.layout.token_granule`: per-token layouts always; token-group layouts such as
+(:func:`kvq_core.tokens.token_granule`: per-token layouts always; token-group layouts such as
 OScaR and KIVI keys when the blocks before the last are whole groups, e.g. 128-token flushes
 of 32-token key groups), so attention from codes makes O(log n) kernel calls per layer and step,
 not one per flushed block.

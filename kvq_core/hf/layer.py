@@ -21,6 +21,7 @@ over decoded (also in codes mode).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,9 @@ from kvq_core.hf.decoded import DecodedHistory
 from kvq_core.hf.flush import FLUSH_MODES, encode_range, join_range, plan_crop, window_drop
 from kvq_core.hf.view import step_view
 from kvq_core.hf.window import plan_eviction, view_start
-from kvq_core.layout import PackedKV, concat_tokens, slice_tokens, token_granule, token_separable
+from kvq_core.packed import PackedKV
 from kvq_core.spec import MethodSpec
+from kvq_core.tokens import concat_tokens, slice_tokens, token_granule, token_separable
 
 ATTENTION_MODES = ("auto", "dequant", "codes")
 CHUNK_MODES = ("exact", "decode")
@@ -53,6 +55,8 @@ class KVQLayer(DynamicLayer):
 
     ``keys``/``values`` hold the window ``[batch, kv_heads, w, head_dim]``. ``key_spec`` and
     ``value_spec`` may differ (e.g. more bits for keys); attention from codes then decodes.
+    ``rollback`` is the owning :class:`~kvq_core.hf.cache.KVQCache`'s undo of the current step,
+    which :meth:`abort_step` calls (None for a layer used alone).
     """
 
     is_compileable = False
@@ -74,6 +78,7 @@ class KVQLayer(DynamicLayer):
         cache_decoded: bool = True,
         config: Any = None,
         sliding_window: int | None = None,
+        rollback: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
@@ -106,7 +111,7 @@ class KVQLayer(DynamicLayer):
         self.is_sliding = sliding_window is not None  # transformers sizes sliding masks from such layers
         self.kq: Quantizer | None = None
         self.vq: Quantizer | None = None
-        self._abort: Any = None  # set by the owning KVQCache: rolls the current step back
+        self._rollback = rollback
         self._clear()
 
     def _clear(self) -> None:
@@ -179,8 +184,8 @@ class KVQLayer(DynamicLayer):
     def abort_step(self) -> None:
         """Undo this step everywhere (the owning :class:`~kvq_core.hf.cache.KVQCache` rolls back
         the layers it updated), e.g. when the attention function fails on this step's output."""
-        if self._abort is not None:
-            self._abort()
+        if self._rollback is not None:
+            self._rollback()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_step(key_states, value_states)
@@ -233,9 +238,15 @@ class KVQLayer(DynamicLayer):
             self.keys, self.values = self.keys[:, :, old_window:].clone(), self.values[:, :, old_window:].clone()
         self._decoded.drop_front(gone, plan.evicted)
 
+    def mark_pending(self) -> None:
+        """Declare this step's output handed over for attention from codes
+        (:func:`kvq_core.hf.view.step_view`): the next ``update`` raises unless the "kvq" attention
+        function, or :meth:`mark_attended`, consumed it first."""
+        self._pending_codes = True
+
     def mark_attended(self) -> None:
-        """Declare the last ``update``'s output used without the "kvq" attention function
-        (e.g. K/V written by an external prefill), so codes mode does not report it unconsumed."""
+        """Declare the last ``update``'s output used: by the "kvq" attention function, or without
+        it (e.g. K/V written by an external prefill), so codes mode does not report it unconsumed."""
         self._pending_codes = False
 
     def get_seq_length(self) -> int:
@@ -323,6 +334,10 @@ class KVQLayer(DynamicLayer):
             parts = [self.decode_block(i) for i in range(len(self.blocks))]
             return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
         return self._decoded.extend(self.block_tokens, self.evicted, self.packed_length, self.decode_block)
+
+    def select_decoded(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` of the decoded history copy (:func:`kvq_core.hf.batch.select_batch`)."""
+        self._decoded.select(index)
 
     def drop_decoded(self) -> None:
         """Free the decoded copies (rebuilt on demand)."""
@@ -420,7 +435,7 @@ def separable(key_spec: MethodSpec, value_spec: MethodSpec) -> bool:
 
 def joint_granule(key_spec: MethodSpec, value_spec: MethodSpec) -> int:
     """Token count G such that blocks of whole G-token groups join and split exactly, keys and
-    values alike (:func:`kvq_core.layout.token_granule`; 1 for per-token layouts); 0 if none."""
+    values alike (:func:`kvq_core.tokens.token_granule`; 1 for per-token layouts); 0 if none."""
     found = [token_granule(key_spec, "keys"), token_granule(value_spec, "values")]
     return 0 if None in found else math.lcm(*(g for g, _ in found))
 

@@ -87,10 +87,10 @@ def _plans(config: Any, method: str, settings: dict[str, Any], backend: str, dev
 
 def prepare(model: torch.nn.Module, method: str = "oscar", *, qat_backend: str = "auto", **settings: Any) -> QATPlan:
     """Set ``model`` to train with K/V fake-quantized as ``KVQCache(model.config, method,
-    **settings)`` stores them: attaches each layer's plan to its attention module and switches
-    the model to ``attn_implementation="kvq-qat"``. ``qat_backend``: the fake-quant backend
-    (torch, torch-compiled, triton; "auto": see the module docstring). Returns the plan, whose
-    :meth:`QATPlan.cache` is the matching serving cache."""
+    **settings)`` stores them: attaches each layer's plan to its attention module (as its
+    ``kvq_qat_plan``) and switches the model to ``attn_implementation="kvq-qat"``. ``qat_backend``:
+    the fake-quant backend (torch, torch-compiled, triton; "auto": see the module docstring).
+    Returns the plan, whose :meth:`QATPlan.cache` is the matching serving cache."""
     register()
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     device = str(next(model.parameters()).device)
@@ -99,7 +99,7 @@ def prepare(model: torch.nn.Module, method: str = "oscar", *, qat_backend: str =
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
         if isinstance(idx, int) and 0 <= idx < len(layers) and hasattr(module, "config"):
-            module._kvq_qat = layers[idx]
+            module.kvq_qat_plan = layers[idx]
             attached.add(idx)
     missing = sorted(set(range(len(layers))) - attached)
     if missing:
@@ -119,11 +119,11 @@ def kvq_qat_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface function; returns ``(out [b, q_len, q_heads, d], None)``."""
-    if not hasattr(module, "_kvq_qat"):
+    if not hasattr(module, "kvq_qat_plan"):
         raise KVQError("kvq-qat attention: this model was not prepared; call kvq_core.hf.qat.prepare(model, method, ...)")
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise KVQError("kvq-qat attention supports plain softmax attention only (no softcap, no sinks)")
-    plan: LayerPlan | None = module._kvq_qat
+    plan: LayerPlan | None = module.kvq_qat_plan
     if plan is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvq_core.hf.flush import blocks_before
-from kvq_core.layout import PackedKV
+from kvq_core.packed import PackedKV
 
 if TYPE_CHECKING:
     from kvq_core.hf.layer import KVQLayer
@@ -52,6 +52,19 @@ class CodesContext:
     flushed: Pair | None = None
 
 
+def attach_context(keys: torch.Tensor, ctx: CodesContext) -> None:
+    """Tag ``keys`` (a view made for this step, never the layer's stored window) with ``ctx``, as
+    its ``kvq_context`` attribute: the K/V travel through the model's attention module unchanged,
+    so the tag reaches the "kvq" attention function with them (:func:`context_of`)."""
+    keys.kvq_context = ctx  # type: ignore[attr-defined]
+
+
+def context_of(key: torch.Tensor) -> CodesContext | None:
+    """The :class:`CodesContext` a step attached to its keys (:func:`attach_context`); None for
+    ordinary K/V."""
+    return getattr(key, "kvq_context", None)
+
+
 def step_view(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, base: int, first: int) -> Pair:
     """The K/V ``layer.update`` returns, once its window holds this step's tokens: ``base`` is
     the window's first position, ``first`` the first position its queries see, ``block`` this
@@ -66,22 +79,23 @@ def step_view(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, bas
         keys, values = _visible(layer, base, first)
         if layer.codes_mode or flushed is not None:
             keys = keys.view(keys.shape)
-            keys._kvq_context = CodesContext(layer, (), 0, history=max(base - first, 0), flushed=flushed)  # type: ignore[attr-defined]
-            layer._pending_codes = layer.codes_mode
+            attach_context(keys, CodesContext(layer, (), 0, history=max(base - first, 0), flushed=flushed))
+            if layer.codes_mode:
+                layer.mark_pending()
     elif layer.codes_mode:
         whole, part = _blocks_before(layer, base)
         keys, values = layer.keys.view(layer.keys.shape), layer.values.view(layer.values.shape)
         if part is not None:  # a block encoded ahead: its tokens before the window, decoded
             keys, values = torch.cat([part[0], keys], dim=-2), torch.cat([part[1], values], dim=-2)
         history = 0 if part is None else part[0].shape[-2]
-        keys._kvq_context = CodesContext(layer, tuple(layer.blocks[:whole]), base - history - layer.evicted,  # type: ignore[attr-defined]
-                                         history=history, flushed=flushed)
-        layer._pending_codes = True
+        attach_context(keys, CodesContext(layer, tuple(layer.blocks[:whole]), base - history - layer.evicted,
+                                          history=history, flushed=flushed))
+        layer.mark_pending()
     else:
         keys, values = _visible(layer, base, first)
         if flushed is not None:
             keys = keys.view(keys.shape)
-            keys._kvq_context = CodesContext(layer, (), 0, history=base - first, flushed=flushed)  # type: ignore[attr-defined]
+            attach_context(keys, CodesContext(layer, (), 0, history=base - first, flushed=flushed))
     return keys, values
 
 

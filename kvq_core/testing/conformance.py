@@ -14,8 +14,8 @@ it checks, against the reference backend (``"numpy"`` unless told otherwise):
    decodes from it (packed blocks travel both ways: NumPy -> backend in 3, backend -> NumPy here);
 5. **attend** - the backend's ``attend`` over the reference's packed block matches the
    reference's output and log-sum-exp within :func:`attend_tolerance`;
-   **per token** - for per-token layouts (:func:`~kvq_core.layout.token_separable`), the block's
-   tokens encoded in two parts and joined (:func:`~kvq_core.layout.concat_tokens`) pass checks
+   **per token** - for per-token layouts (:func:`~kvq_core.tokens.token_separable`), the block's
+   tokens encoded in two parts and joined (:func:`~kvq_core.tokens.concat_tokens`) pass checks
    1-2 against the reference's whole block: a sliding-flush cache packs one token at a time;
 **exact ties** - for methods with an integer code grid (:data:`~kvq_core.testing.strategies.TIE_SPECS`:
    OScaR, KIVI, QuaRot), a fixed block whose every group spans [-3, 3] at 2 bits (step exactly
@@ -73,7 +73,9 @@ import numpy as np
 from kvq_core import registry
 from kvq_core.api import Quantizer
 from kvq_core.errors import InputError, KVQError, LayoutError
-from kvq_core.layout import PackedKV, concat_tokens, pack_codes, token_separable, unpack_codes
+from kvq_core.layout import pack_codes, unpack_codes
+from kvq_core.packed import PackedKV
+from kvq_core.tokens import concat_tokens, token_separable
 from kvq_core.testing.strategies import (
     DTYPES,
     EDGE_SPECS,

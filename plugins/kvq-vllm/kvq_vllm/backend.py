@@ -189,7 +189,7 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         self.layout = PageLayout(self.spec, vllm_config.cache_config.block_size, self.num_kv_heads)
         device = vllm_config.device_config.device
         self.backend = self.codec.attend_backend(device)
-        registry.backend_info(self.backend)  # loads the kvq backends: their kvq:: table entries
+        registry.backend_info(self.backend)  # loads the registry, whose kernel tables the kvq:: ops read
         self._layers: dict[str, int] = {}
         self.tail_k = self.tail_v = None
         if self.layout.group > 1:

@@ -1,11 +1,11 @@
 """Fused Numba CPU decode attention over integer codes, for any bit width and group size: keys
 grouped along tokens (per channel scale/offset per token group, an optional per-token logit
 factor), values grouped along channels. 2- and 4-bit rows of whole 8-byte chunks take the faster
-:mod:`kvq_numba.cpu_attend_planes`, which never unpacks a code to memory.
+:mod:`kvq_numba.cpu.attend_planes`, which never unpacks a code to memory.
 
 Per (batch, KV head, tile of four query rows): each block of :data:`BLOCK` tokens is unpacked
 and dequantized once per tile (keys per channel, values per channel group) into rows that stay in
-L1, then scored and weighted by the register tiles of :mod:`kvq_numba.cpu_tiles`; online softmax
+L1, then scored and weighted by the register tiles of :mod:`kvq_numba.cpu.tiles`; online softmax
 with a vectorisable exp (:func:`online_softmax`, which every CPU attend kernel shares). Rows
 past the query count in the last tile are zeros; their results are dropped. ``fastmath`` lets
 LLVM reassociate; the conformance tolerances bound the difference to the float64 reference.
@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import unpack_rows
-from kvq_numba.cpu_simd import halves, vfma, vload, vstore
-from kvq_numba.cpu_tiles import ROWS, logits, tile_of, tile_queries, weighted_rows, write_tile
+from kvq_numba.cpu.common import unpack_rows
+from kvq_numba.cpu.simd import halves, vfma, vload, vstore
+from kvq_numba.cpu.tiles import ROWS, logits, tile_of, tile_queries, weighted_rows, write_tile
 
 #: tokens per online-softmax block
 BLOCK = 32

@@ -1,8 +1,8 @@
 """Fused Numba CPU decode attention over OCTOPUS triplet codes.
 
 Per (batch, KV head, tile of four query rows): each block of :data:`BLOCK` key rows is decoded
-to rotated unit vectors (:func:`kvq_numba.cpu_octopus.decode_rows`: one table move per triplet)
-and scored by the register tiles of :mod:`kvq_numba.cpu_tiles` (``logit = gamma_t <q, v_hat_t> *
+to rotated unit vectors (:func:`kvq_numba.cpu.octopus.decode_rows`: one table move per triplet)
+and scored by the register tiles of :mod:`kvq_numba.cpu.tiles` (``logit = gamma_t <q, v_hat_t> *
 scale``); online softmax; the value rows (``gamma * v_hat`` in the rotated domain, or float16
 rows in the original domain) are decoded the same way and weighted in registers. Rows past the
 query count in the last tile are zeros; their results are dropped. Decoded blocks stay in L1.
@@ -12,19 +12,19 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba import cpu_paged
-from kvq_numba.cpu_attend import online_softmax
-from kvq_numba.cpu_common import half_to_float
-from kvq_numba.cpu_octopus import decode_rows_at
-from kvq_numba.cpu_paged import (CODES, DESC, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH, half_at,
+from kvq_numba.cpu import paged
+from kvq_numba.cpu.attend import online_softmax
+from kvq_numba.cpu.common import half_to_float
+from kvq_numba.cpu.octopus import decode_rows_at
+from kvq_numba.cpu.paged import (CODES, DESC, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH, half_at,
                                  mask_block, start_job, store_partial, token_rows)
-from kvq_numba.cpu_tiles import ROWS, logits, weighted_rows
+from kvq_numba.cpu.tiles import ROWS, logits, weighted_rows
 
 #: tokens per online-softmax block (two decoded [BLOCK, d] blocks stay in L1 at d = 128)
 BLOCK = 32
 
 
-#: fields of an OCTOPUS job, in the order of the buffers and descriptor rows (kvq_numba.cpu_paged)
+#: fields of an OCTOPUS job, in the order of the buffers and descriptor rows (kvq_numba.cpu.paged)
 F_KC, F_KN, F_VC, F_VN, F_VH = range(5)
 
 
@@ -47,12 +47,12 @@ def _floats(buf, addr, n, scratch, out) -> None:
 @njit(parallel=True, fastmath=True, cache=True)
 def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
                  scale, pm, pl, pacc) -> None:
-    """The CODES jobs of a plan (:func:`kvq_numba.cpu_paged.plan`): partial softmax state of rotated
+    """The CODES jobs of a plan (:func:`kvq_numba.cpu.paged.plan`): partial softmax state of rotated
     queries ``q`` [kv_heads, rows, d] over OCTOPUS codes, causal per row, fields read through
     ``table`` and ``desc`` (one row per buffer: key codes, key norm, value codes, value norm,
     float16 values). Values: ``gamma * v_hat`` (rotated domain) or, when ``values_fp16``, the
     float16 rows (original domain). The jobs run as ``chunks`` interleaved chunks, each allocating its
-    scratch once (:func:`kvq_numba.cpu_attend_planes.planes_jobs`)."""
+    scratch once (:func:`kvq_numba.cpu.attend_planes.planes_jobs`)."""
     nhk, nrow, d = q.shape
     krb = desc[F_KC, WIDTH]
     vrb = desc[F_VC, WIDTH]
@@ -113,7 +113,7 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
 
 def contiguous_jobs(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
     """``(jobs_fn, align)``: :func:`octopus_jobs` over one contiguous block (the trivial page table:
-    request ``b`` is batch element ``b``), for :func:`kvq_numba.cpu_paged.run` and its kin."""
+    request ``b`` is batch element ``b``), for :func:`kvq_numba.cpu.paged.run` and its kin."""
     nhk, nt, krb = kcodes.shape[1], kcodes.shape[2], kcodes.shape[3]
     desc = np.zeros((5, DESC), np.int64)
     #        rows per block, block stride, head stride, row stride, offset, width, group rows
@@ -142,7 +142,7 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
     ``values_fp16``, the float16 rows ``vhalf`` (uint16 bits [b, hk, t, d], original domain).
     Returns (out float32 [b, hk, rows, d], lse float32 [b, hk, rows]).
     """
-    return cpu_paged.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
+    return paged.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
         kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale))
 
 

@@ -5,14 +5,14 @@ channels (per token: values).
 Encode mirrors the reference's float32 arithmetic op for op without fastmath (``x / s + zq``, not
 a multiply by 1/s; round half to even), so codes equal the reference's. Scales and offsets come
 back float32; callers round them to float16 with NumPy, as the reference does. Decode takes the
-stored float16 fields as uint16 bits (:func:`kvq_numba.cpu_common.half_bits`).
+stored float16 fields as uint16 bits (:func:`kvq_numba.cpu.common.half_bits`).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import half_to_float, pack_row, unpack_rows
+from kvq_numba.cpu.common import half_to_float, pack_row, unpack_rows
 from kvq_numba.rules import group_params, int_code
 
 @njit(parallel=True, cache=True)

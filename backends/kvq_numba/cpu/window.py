@@ -1,5 +1,5 @@
 """One attention call over a layer's packed blocks and its exact window (``KVQCache``'s decode
-step): the paged kernels' job machinery (:mod:`kvq_numba.cpu_paged`) with several contiguous
+step): the paged kernels' job machinery (:mod:`kvq_numba.cpu.paged`) with several contiguous
 blocks as consecutive segments of the coded tokens and the window as the tail.
 
 Request ``b`` is batch element ``b``; its coded tokens are the blocks' tokens in order (every
@@ -18,9 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit
 
-from kvq_numba import cpu_paged, threads
-from kvq_numba.cpu_paged import CODES, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, TAIL
-from kvq_numba.cpu_tiles import ROWS
+from kvq_numba import threads
+from kvq_numba.cpu import paged
+from kvq_numba.cpu.paged import CODES, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, TAIL
+from kvq_numba.cpu.tiles import ROWS
 
 #: job kind a CODES kernel skips (a job of another block)
 SKIP = 2
@@ -104,8 +105,8 @@ def ungrouped(x: np.ndarray, b: int, lq: int, g: int) -> np.ndarray:
     return np.ascontiguousarray(y).reshape(b, hk * g, lq, *tail)
 
 
-def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence[tuple[cpu_paged.JobsFn, int, int]],
-        window: tuple[np.ndarray, np.ndarray], values_back: cpu_paged.BackFn | None,
+def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence[tuple[paged.JobsFn, int, int]],
+        window: tuple[np.ndarray, np.ndarray], values_back: paged.BackFn | None,
         scale: float) -> tuple[np.ndarray, np.ndarray]:
     """``(out [kv_heads, rows, d], lse [kv_heads, rows])`` of queries ``q`` [kv_heads, rows, d]
     (:func:`grouped_queries`; ``qc`` the same in the keys' domain) over the ``blocks`` (``(jobs_fn,
@@ -121,8 +122,8 @@ def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence
     tiles = -(-(lq * g) // ROWS) * b
     align = int(np.lcm.reduce([a for _, a, _ in blocks])) if blocks else 1
     nthreads = threads.count()
-    chunks = cpu_paged.chunks(nthreads)
-    jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, cpu_paged.split_tokens(tiles * coded * nhk, align,
+    chunks = paged.chunks(nthreads)
+    jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, paged.split_tokens(tiles * coded * nhk, align,
                                                                                            nthreads))
     local = local_jobs(jobs, segment, starts)
     pm = np.empty((jobs.shape[0], ROWS), np.float32)
@@ -135,9 +136,9 @@ def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence
         jobs_fn(qc, local[s], first, row_lo, g, table, chunks, pm, pl, pacc)
     if values_back is not None and blocks:
         values_back(pacc, jobs)
-    cpu_paged.tail_jobs(q, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b, dtype=np.int64),
+    paged.tail_jobs(q, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b, dtype=np.int64),
                         np.float32(scale), pm, pl, pacc)
     out = np.zeros((nhk, q.shape[1], d), np.float32)
     lse = np.zeros((nhk, q.shape[1]), np.float32)
-    cpu_paged.combine(jobs, groups, pm, pl, pacc, out, lse)
+    paged.combine(jobs, groups, pm, pl, pacc, out, lse)
     return out, lse

@@ -1,5 +1,5 @@
 """Register tiles of four query rows over float32 rows (decoded codes) in 8-lane vectors
-(:mod:`kvq_numba.cpu_simd`), for the kernels that decode a block of rows before attending
+(:mod:`kvq_numba.cpu.simd`), for the kernels that decode a block of rows before attending
 (OCTOPUS: rho * direction per triplet).
 
 Both keep eight accumulators in registers: logits four rows by two tokens per pass over ``d``;
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvq_numba.cpu_simd import vaccumulate, vfma, vhsum, vload, vsplat, vzero
+from kvq_numba.cpu.simd import vaccumulate, vfma, vhsum, vload, vsplat, vzero
 
 #: query rows per tile
 ROWS = 4

@@ -1,11 +1,11 @@
 """Numba CPU row transforms around the integer codes: the Hadamard rotation of head vectors and
-OScaR's omni-token norm, with the reference's float32 arithmetic (kvq_numpy.oscar)."""
+OScaR's omni-token norm, with the reference's float32 arithmetic (kvq_numpy.intcodes)."""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import fwht_heads, sum_squares
+from kvq_numba.cpu.common import fwht_heads, sum_squares
 
 
 def rotate(x: np.ndarray, inv_sqrt_d: np.float32) -> np.ndarray:

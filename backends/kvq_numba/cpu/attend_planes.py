@@ -1,5 +1,5 @@
 """Fused decode attention over 2- and 4-bit integer codes in explicit 8-lane vectors
-(:mod:`kvq_numba.cpu_simd`): the fast path of :func:`kvq_numba.cpu_attend.attend_int_codes`
+(:mod:`kvq_numba.cpu.simd`): the fast path of :func:`kvq_numba.cpu.attend.attend_int_codes`
 for the code rows that split into whole 8-byte chunks (:func:`fits`).
 
 Eight code bytes of a row, zero-extended to eight int32 lanes, hold ``8 // bits`` *planes*:
@@ -25,13 +25,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba import cpu_paged
-from kvq_numba.cpu_attend import online_softmax
-from kvq_numba.cpu_paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH,
+from kvq_numba.cpu import paged
+from kvq_numba.cpu.attend import online_softmax
+from kvq_numba.cpu.paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH,
                                  gather_rows_bytes, heads_f32, row_addr, mask_block, start_job, store_partial,
                                  token_rows)
-from kvq_numba.cpu_simd import bytes8, halves, plane, vaccumulate, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
-from kvq_numba.cpu_tiles import ROWS
+from kvq_numba.cpu.simd import bytes8, halves, plane, vaccumulate, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
+from kvq_numba.cpu.tiles import ROWS
 
 #: most tokens per online-softmax block (rounded down to whole key groups, at least one group)
 BLOCK = 128
@@ -171,7 +171,7 @@ def token_halves(buf, addr, n, count, scratch, out) -> None:
         halves(scratch.view(np.uint16), 0, n * count, out)
 
 
-#: fields of a planes job, in the order of the buffers and descriptor rows (kvq_numba.cpu_paged)
+#: fields of a planes job, in the order of the buffers and descriptor rows (kvq_numba.cpu.paged)
 F_KC, F_KS, F_KO, F_KN, F_VC, F_VS, F_VO = range(7)
 
 
@@ -184,7 +184,7 @@ def block_tokens(kgroup):
 @njit(parallel=True, fastmath=True, cache=True)
 def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc, use_norm, bits, kgroup,
                 vgroup, scale, pm, pl, pacc) -> None:
-    """The CODES jobs of a plan (:func:`kvq_numba.cpu_paged.plan`) over 2- and 4-bit code rows that
+    """The CODES jobs of a plan (:func:`kvq_numba.cpu.paged.plan`) over 2- and 4-bit code rows that
     :func:`fits`: partial softmax state of rotated queries ``q`` [kv_heads, rows, d] (channel order)
     over the job's tokens, causal per row, fields read through ``table`` and ``desc`` (one row per
     buffer ``kc .. vo``: key codes, key scale, key offset, token norm, value codes, scale, offset).
@@ -286,7 +286,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
 
 def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
     """``(jobs_fn, align)``: :func:`planes_jobs` over one contiguous block (the trivial page table:
-    request ``b`` is batch element ``b``), for :func:`kvq_numba.cpu_paged.run` and its kin."""
+    request ``b`` is batch element ``b``), for :func:`kvq_numba.cpu.paged.run` and its kin."""
     nhk, nt, rb = kcodes.shape[1], kcodes.shape[2], kcodes.shape[3]
     nkg, d = kscale.shape[2], kscale.shape[3]
     nvg = d // vgroup
@@ -306,9 +306,9 @@ def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, vo
 
 
 def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
-    """:func:`kvq_numba.cpu_attend.attend_int_codes` (same arguments and results) for code rows that
+    """:func:`kvq_numba.cpu.attend.attend_int_codes` (same arguments and results) for code rows that
     :func:`fits`: the contiguous blocks as the trivial page table of :func:`planes_jobs`."""
-    return cpu_paged.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
+    return paged.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
         kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale))
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda
 
 from kvq_core.kernels import KernelContext
-from kvq_numba.gpu_common import (SLOTS, THREADS, as_float32, block_sum, device, device_function, group_params,
+from kvq_numba.gpu.common import (SLOTS, THREADS, as_float32, block_sum, device, device_function, group_params,
                                   int_code, online_update, rotate)
 
 Fields = dict[str, Any]

@@ -10,7 +10,7 @@ import numpy as np
 from numba import cuda
 
 from kvq_core.kernels import KernelContext
-from kvq_numba.gpu_common import (MAX_D, ROW_PAD, SLOTS, THREADS, as_float32, block_sum, device, device_function,
+from kvq_numba.gpu.common import (MAX_D, ROW_PAD, SLOTS, THREADS, as_float32, block_sum, device, device_function,
                                   fwht_shared, online_update, rotate, triplet_code)
 
 Fields = dict[str, Any]

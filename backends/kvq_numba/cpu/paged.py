@@ -22,8 +22,8 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba import threads
-from kvq_numba.cpu_attend import online_softmax
-from kvq_numba.cpu_tiles import ROWS, logits, weighted_rows
+from kvq_numba.cpu.attend import online_softmax
+from kvq_numba.cpu.tiles import ROWS, logits, weighted_rows
 
 #: descriptor columns: rows per block, block stride, head stride, row stride, byte offset, bytes per
 #: row of a striped field, rows per statistics group (striped group fields)

@@ -1,14 +1,11 @@
 """numba.cuda building blocks of the CUDA kernels: device-array plumbing and per-block helpers.
 
-(The CUDA modules are named ``gpu_*``: numba-cuda's import redirector matches any module name
-containing "numba.cuda", so ``kvq_numba.cuda_*`` would recurse in its finder.)
-
 Kernels follow real CUDA rules: one block of :data:`THREADS` threads per row (or per query row),
 fixed-size shared and local arrays (rows up to :data:`MAX_D` channels; their sizes are module
 constants, which numba-cuda takes as literals, never expressions), ``syncthreads`` reached by
 every thread of the block. Device functions are inlined into their kernels
 (:data:`device_function`). Importing this module imports numba.cuda (after the NumPy 2.5 shim of
-:mod:`kvq_numba.gpu_compat`); nothing here runs at import.
+:mod:`kvq_numba.gpu.compat`); nothing here runs at import.
 """
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ import numpy as np
 from numba import config, cuda
 
 from kvq_numba import rules
-from kvq_numba.gpu_compat import import_array_overloads
+from kvq_numba.gpu.compat import import_array_overloads
 
 import_array_overloads()
 

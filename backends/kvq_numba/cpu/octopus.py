@@ -13,8 +13,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu_common import CHUNK, fwht_heads, pack_row, sum_squares
-from kvq_numba.cpu_simd import move4
+from kvq_numba.cpu.common import CHUNK, fwht_heads, pack_row, sum_squares
+from kvq_numba.cpu.simd import move4
 from kvq_numba.rules import NEIGHBOURS, sgn
 
 def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):

@@ -15,7 +15,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from kvq_numba.cpu_common import half_to_float
+from kvq_numba.cpu.common import half_to_float
 
 LANES = 8
 _F32 = ir.FloatType()
