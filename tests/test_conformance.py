@@ -124,6 +124,6 @@ def test_suite_catches_an_off_by_one_code(monkeypatch) -> None:
         flat[0] = (flat[0] + 1) % (1 << bits)
         return orig(codes, bits)
 
-    monkeypatch.setattr("kvq_torch.oscar.pack_codes", bad_pack)
+    monkeypatch.setattr("kvq_torch.intcodes.pack_codes", bad_pack)
     with pytest.raises(testing.ConformanceError, match="not ties"):
         testing.check_method("torch", "oscar", max_examples=0, errors=False, ties=False)

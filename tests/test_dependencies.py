@@ -219,7 +219,7 @@ def test_an_undeclared_import_is_reported(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize(("rel", "extras"), [
     ("kvq_core/methods/qjl.py", ()),
     ("kvq_core/hf/cache.py", ("hf", "torch")),
-    ("backends/kvq_triton/oscar.py", ("triton", "torch")),
+    ("backends/kvq_triton/intcodes.py", ("triton", "torch")),
 ])
 def test_module_to_extras_table(rel: str, extras: tuple[str, ...]) -> None:
     assert allowed_extras(rel, declared()[1]) == extras

@@ -91,12 +91,24 @@ def test_a_method_module_that_fails_disables_only_that_method() -> None:
     assert out["error"].startswith("MethodUnavailableError polarquant is unavailable: ModuleNotFoundError")
 
 
-@pytest.mark.parametrize("method", ["polarquant", "qjl", "kivi", "octopus"])
+def own_modules(method: str) -> list[str]:
+    """A method's own modules: its spec module and each backend's kernel module named for it.
+
+    OScaR, KIVI and QuaRot own only their spec: their kernels are each backend's one int-codes
+    class (``kvq_<backend>.intcodes``, serving every :class:`~kvq_core.methods.intcodes.IntCodeRecipe`),
+    an ingredient shared like ``kvq_numpy.attention``, which
+    :func:`test_a_shared_int_codes_module_that_fails_disables_its_methods_on_that_backend_only` blocks."""
+    kernels = [f"{pkg}.{method}" for pkg in ("kvq_numpy", "kvq_torch", "kvq_triton", "kvq_numba")
+               if (ROOT / "backends" / pkg / f"{method}.py").exists()]
+    return [f"kvq_core.methods.{method}", *kernels]
+
+
+@pytest.mark.parametrize("method", ["polarquant", "qjl", "kivi", "octopus", "oscar", "quarot"])
 def test_every_method_module_blocked_takes_down_only_methods_built_on_it(method: str) -> None:
-    """A method's spec and kernel modules blocked: that method is unavailable, and so is any method
-    whose codec contains it (QJL stores its values as KIVI's codec), nothing else (TurboQuant_prod
+    """A method's own modules blocked: that method is unavailable, and so is any method whose
+    codec contains it (QJL stores its values as KIVI's codec), nothing else (TurboQuant_prod
     shares only QJL's sign sketch, which lives in kvq_core.math.sketch and the backends' sketch modules)."""
-    out = _probe(f"kvq_core.methods.{method}", f"kvq_numpy.{method}", f"kvq_torch.{method}")
+    out = _probe(*own_modules(method))
     contains = {"kivi": {"kivi", "qjl"}}.get(method, {method})
     down = {m for m, (ok, _) in out["methods"].items() if not ok}
     assert down == contains, out["methods"]
@@ -110,6 +122,20 @@ def test_a_kernel_module_that_fails_disables_only_that_backend_method() -> None:
     assert "kernels failed to load" in out["roundtrip"]["octopus"]
     assert isinstance(out["roundtrip"]["oscar"], float)
     assert out["methods"]["octopus"][0]  # torch still serves it
+
+
+def test_a_shared_int_codes_module_that_fails_disables_its_methods_on_that_backend_only() -> None:
+    """The NumPy int-codes kernels blocked: OScaR, KIVI, QuaRot (and QJL, whose values are KIVI's
+    codec) lose the numpy backend, with the reason; torch still serves them, other methods keep numpy."""
+    out = _probe("kvq_numpy.intcodes")
+    ok, reason, served, problems = out["backends"]["numpy"]
+    assert ok and {"oscar", "kivi", "quarot", "qjl"}.isdisjoint(served) and "octopus" in served
+    for m in ("oscar", "kivi", "quarot", "qjl"):
+        assert any(p.startswith(f"{m}: ModuleNotFoundError") for p in problems), problems
+        assert out["methods"][m][0]  # torch still serves it
+    for m in ("oscar", "kivi", "qjl"):
+        assert "kernels failed to load" in out["roundtrip"][m]
+    assert isinstance(out["roundtrip"]["octopus"], float)
 
 
 def test_without_torch_numpy_still_serves_everything() -> None:

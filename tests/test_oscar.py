@@ -14,7 +14,7 @@ from kvq_core.math.hadamard import fwht, sylvester_hadamard
 from kvq_core.methods.oscar import OscarSpec
 from kvq_core.synthetic import SINK_TOKENS, make_kv, make_queries, token_scales
 from kvq_numpy.attention import softmax_attend
-from kvq_numpy.oscar import token_norms
+from kvq_numpy.intcodes import token_norms
 
 D = 128
 FEW = settings(max_examples=20, deadline=None)

@@ -142,11 +142,11 @@ def test_one_kernel_table_holds_the_real_classes() -> None:
     import importlib.util
 
     from kvq_core import kernels
-    from kvq_numba.intcodes import OscarNumba
-    from kvq_numpy.oscar import OscarKernels
+    from kvq_numba.intcodes import IntCodesNumba
+    from kvq_numpy.intcodes import IntCodesKernels
 
-    assert registry.kernel_factory("numpy", "oscar") is OscarKernels
-    assert registry.kernel_factory("numba", "oscar") is OscarNumba
+    assert registry.kernel_factory("numpy", "oscar") is IntCodesKernels
+    assert registry.kernel_factory("numba", "oscar") is IntCodesNumba
     assert importlib.util.find_spec("kvq_core.dispatch.table") is None
     assert not hasattr(kernels, "Deferred")
     fields = {f.name for f in dataclasses.fields(kernels.BackendInfo)}
@@ -159,10 +159,10 @@ def test_torch_backends_hold_one_torchmethod_per_method() -> None:
     pytest.importorskip("torch")
     from kvq_core.dispatch import calls, torch_kernels
     from kvq_torch.common import TorchMethod
-    from kvq_torch.oscar import OscarTorch
+    from kvq_torch.intcodes import IntCodesTorch
     from kvq_torch.paged import PagedTorch
 
-    assert registry.kernel_factory("torch", "oscar") is OscarTorch
+    assert registry.kernel_factory("torch", "oscar") is IntCodesTorch
     assert not hasattr(torch_kernels, "TorchMethod") and not hasattr(calls, "op_backend")
     assert all(registry.backend_info(b).torch_ops for b in ("torch", "torch-compiled", "triton"))
     for method in registry.backend_info("torch").kernels:
@@ -172,4 +172,4 @@ def test_torch_backends_hold_one_torchmethod_per_method() -> None:
     q = kvq_core.get_quantizer("oscar", backend="torch", head_dim=64)
     assert isinstance(q.kernels, calls.OpKernels) and q.kernels.backend == "torch" and q.spec == spec
     compiled = registry.kernel_factory("torch-compiled", "oscar")(spec)  # adapt: the same class, compiled
-    assert type(compiled).__name__ == "CompiledMethod" and type(compiled.impl) is OscarTorch
+    assert type(compiled).__name__ == "CompiledMethod" and type(compiled.impl) is IntCodesTorch

@@ -1,9 +1,11 @@
 """The Numba kernels of the integer-code methods (OScaR, KIVI): keys coded per channel over token
 groups, values per token over channel groups, optionally rotated (H) and token-normalised (OTS).
 
-:class:`IntCodesNumba` runs NumPy/CPU input on the ``@njit`` kernels (:mod:`kvq_numba.cpu`); CUDA
-input goes to its twin :class:`kvq_numba.gpu.intcodes.IntCodesCuda` (:mod:`kvq_numba.route`);
-:class:`OscarNumba` and :class:`KiviNumba` only say which ingredients their method uses.
+:class:`IntCodesNumba` reads the ingredients from the spec's
+:class:`~kvq_core.methods.intcodes.IntCodeRecipe` and runs NumPy/CPU input on the ``@njit`` kernels
+(:mod:`kvq_numba.cpu`); CUDA input goes to its twin :class:`kvq_numba.gpu.intcodes.IntCodesCuda`
+(:mod:`kvq_numba.route`). Recipes of another shape (QuaRot's clipped per-token key groups) are not
+served: ``plugin.supports`` keeps them out.
 """
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from kvq_core.errors import BackendUnavailableError
 from kvq_core.kernels import KernelContext
-from kvq_core.methods.kivi import KiviSpec
-from kvq_core.methods.oscar import OscarSpec
+from kvq_core.methods.intcodes import CHANNELS, TOKENS, ZERO_INTEGER, IntCodeRecipe
 from kvq_numba import compile_notice, rules, threads
 from kvq_numba.arrays import as_float32
 from kvq_numba.cpu import attend as cpu_attend
@@ -34,18 +36,24 @@ _NO_NORM = np.ones((1, 1), np.float32)
 
 
 class IntCodesNumba(DeviceRouted):
-    """Asymmetric min/max integer codes (kvq_numpy.intquant) with the method's rotation and OTS."""
+    """Asymmetric min/max integer codes (kvq_numpy.intquant) with the recipe's rotation and OTS.
 
-    bits: int
-    key_group: int
-    value_group: int
-    rotation: bool
-    token_scaling: bool
-    zero_mode: int
+    The recipe's ingredients as the compiled kernels take them: ``bits``, ``key_group`` (tokens),
+    ``value_group`` (channels), ``rotation``, ``token_scaling`` and ``zero_mode`` (rules.ZERO_*)."""
+
     CUDA_TWIN = "kvq_numba.gpu.intcodes:IntCodesCuda"
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec
+        recipe: IntCodeRecipe = spec.recipe
+        keys, values = recipe.keys, recipe.values
+        if (keys.axis, values.axis) != (TOKENS, CHANNELS) or keys.bits != values.bits \
+                or keys.zero_point != values.zero_point or recipe.clip_ratio != 1.0:
+            raise BackendUnavailableError(f"numba's int-codes kernels take keys grouped along tokens and values along "
+                                          f"channels with one bit width and zero-point, unclipped; not {recipe}")
+        self.bits, self.key_group, self.value_group = keys.bits, keys.size, values.size
+        self.rotation, self.token_scaling = recipe.rotates, recipe.token_norm
+        self.zero_mode = rules.ZERO_INTEGER if keys.zero_point == ZERO_INTEGER else rules.ZERO_MIN
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
 
     @functools.cached_property
@@ -166,26 +174,6 @@ class IntCodesNumba(DeviceRouted):
         jobs = [(*cpu_attend_planes.contiguous_jobs(*self._block_args(kf, vf, scale)), t) for kf, vf, t in blocks]
         out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)), back, scale)
         return cpu_window.ungrouped(out, b, lq, g), cpu_window.ungrouped(lse, b, lq, g)
-
-
-class OscarNumba(IntCodesNumba):
-    """OScaR: Hadamard rotation (``rotation``), omni-token key norm (``token_scaling``), integer zero-point."""
-
-    def __init__(self, spec: OscarSpec) -> None:
-        super().__init__(spec)
-        self.bits, self.key_group, self.value_group = spec.bits, spec.key_group, spec.value_group
-        self.rotation, self.token_scaling = spec.rotation, spec.token_scaling
-        self.zero_mode = rules.ZERO_INTEGER
-
-
-class KiviNumba(IntCodesNumba):
-    """KIVI: no rotation, no token norm, the group minimum as the zero-point, one group size."""
-
-    def __init__(self, spec: KiviSpec) -> None:
-        super().__init__(spec)
-        self.bits, self.key_group, self.value_group = spec.bits, spec.group, spec.group
-        self.rotation, self.token_scaling = False, False
-        self.zero_mode = rules.ZERO_MIN
 
 
 def _same(x: np.ndarray) -> np.ndarray:

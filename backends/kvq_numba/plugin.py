@@ -21,8 +21,8 @@ NAME = "numba"
 
 #: method -> "module:Class" of its kernels (CPU and CUDA in one class)
 KERNELS: dict[str, str] = {
-    "oscar": "kvq_numba.intcodes:OscarNumba",
-    "kivi": "kvq_numba.intcodes:KiviNumba",
+    "oscar": "kvq_numba.intcodes:IntCodesNumba",
+    "kivi": "kvq_numba.intcodes:IntCodesNumba",
     "octopus": "kvq_numba.octopus:OctopusNumba",
     "turboquant": "kvq_numba.turboquant:TurboQuantNumba",
 }

@@ -1,6 +1,6 @@
 """Asymmetric min/max integer quantization over groups along one axis (OScaR, KIVI, QuaRot, QJL values).
 
-With L = 2^bits - 1 and, per group, ``mn, mx = clip_ratio * (min, max)``:
+The zero-point kinds are those of :mod:`kvq_core.methods.intcodes`. With L = 2^bits - 1 and, per group, ``mn, mx = clip_ratio * (min, max)``:
 
 - ``zero_point="integer"`` (OScaR, QuaRot; specs/oscar.md 1.4): both 0 -> -1, +1; if mx > mn:
   ``s = (mx - mn) / L``, ``zq = rint(-mn / s)``, ``q = clip(rint(x / s + zq), 0, L)``,
@@ -17,8 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvq_core.layout import pack_codes, unpack_codes
-
-ZERO_POINTS = ("integer", "min")
+from kvq_core.methods.intcodes import ZERO_INTEGER
 
 
 def _split_groups(x: np.ndarray, group: int) -> np.ndarray:
@@ -35,7 +34,7 @@ def _group_range(g: np.ndarray, zero_point: str, clip_ratio: float) -> tuple[np.
     if clip_ratio != 1.0:
         ratio = np.float32(clip_ratio)
         mn, mx = ratio * np.minimum(mn, 0), ratio * np.maximum(mx, 0)
-    if zero_point == "integer":
+    if zero_point == ZERO_INTEGER:
         both_zero = (mn == 0) & (mx == 0)
         mn = np.where(both_zero, np.float32(-1), mn)
         mx = np.where(both_zero, np.float32(1), mx)
@@ -43,7 +42,7 @@ def _group_range(g: np.ndarray, zero_point: str, clip_ratio: float) -> tuple[np.
 
 
 def quantize(
-    x: np.ndarray, bits: int, group: int, axis: int, zero_point: str = "integer", clip_ratio: float = 1.0
+    x: np.ndarray, bits: int, group: int, axis: int, zero_point: str = ZERO_INTEGER, clip_ratio: float = 1.0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize ``x`` in groups of ``group`` consecutive elements along ``axis``.
 
@@ -58,7 +57,7 @@ def quantize(
     varying = mx > mn
     s = np.where(varying, (mx - mn) / levels, np.float32(0)).astype(np.float32)
     safe_s = np.where(varying, s, np.float32(1))[..., None]
-    if zero_point == "integer":
+    if zero_point == ZERO_INTEGER:
         zq = np.where(varying, np.rint(-mn / safe_s[..., 0]), np.float32(0)).astype(np.float32)
         q = np.rint(g / safe_s + zq[..., None])
         offset = np.where(varying, -zq * s, mn)
@@ -82,7 +81,7 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, group: 
 
 
 def encode_fields(
-    x: np.ndarray, bits: int, group: int, axis: int, zero_point: str = "integer", clip_ratio: float = 1.0
+    x: np.ndarray, bits: int, group: int, axis: int, zero_point: str = ZERO_INTEGER, clip_ratio: float = 1.0
 ) -> dict[str, np.ndarray]:
     """:func:`quantize` as stored fields: ``codes`` bit-packed along the last axis, ``scale``, ``offset``."""
     codes, scale, offset = quantize(x, bits, group, axis, zero_point, clip_ratio)

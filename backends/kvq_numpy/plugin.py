@@ -13,12 +13,12 @@ from kvq_numpy.arrays import NumpyArrays
 
 KERNELS = {
     "fp16": "kvq_numpy.fp16:Fp16Kernels",
-    "kivi": "kvq_numpy.kivi:KiviKernels",
+    "kivi": "kvq_numpy.intcodes:IntCodesKernels",
     "octopus": "kvq_numpy.octopus:OctopusKernels",
-    "oscar": "kvq_numpy.oscar:OscarKernels",
+    "oscar": "kvq_numpy.intcodes:IntCodesKernels",
     "polarquant": "kvq_numpy.polarquant:PolarQuantKernels",
     "qjl": "kvq_numpy.qjl:QJLKernels",
-    "quarot": "kvq_numpy.quarot:QuaRotKernels",
+    "quarot": "kvq_numpy.intcodes:IntCodesKernels",
     "turboquant": "kvq_numpy.turboquant:TurboQuantKernels",
     "turboquant_prod": "kvq_numpy.turboquant:TurboQuantProdKernels",
 }

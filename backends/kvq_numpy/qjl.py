@@ -9,7 +9,7 @@ import numpy as np
 from kvq_core.kernels import KernelContext
 from kvq_core.methods.qjl import QJLSpec
 from kvq_numpy.attention import by_kv_head, from_kv_head, softmax_over_logits
-from kvq_numpy.kivi import KiviKernels
+from kvq_numpy.intcodes import IntCodesKernels
 from kvq_numpy.sketch import encode_signs, qjl_reconstruct, qjl_scores, sketch
 
 Fields = dict[str, np.ndarray]
@@ -20,7 +20,7 @@ class QJLKernels:
 
     def __init__(self, spec: QJLSpec) -> None:
         self.spec = spec
-        self.values = KiviKernels(spec.value_codec)
+        self.values = IntCodesKernels(spec.value_codec)
 
     def encode_keys(self, k: np.ndarray, ctx: KernelContext) -> Fields:
         k = np.asarray(k, dtype=np.float32)

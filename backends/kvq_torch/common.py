@@ -20,7 +20,7 @@ Contents:
 - :func:`tree_sum`: an order-fixed float32 sum (eager and inductor add in the same order);
 - :func:`sqrt32`: a correctly rounded float32 square root (eager ``torch.sqrt`` is not);
 - :func:`asym_quantize` / :func:`asym_dequantize`: the asymmetric min/max group quantizer of
-  ``kvq_numpy/intquant.py`` and ``kvq_numpy/oscar.py``;
+  ``kvq_numpy/intquant.py`` and ``kvq_numpy/intcodes.py``;
 - :func:`group_tokens` / :func:`ungroup_tokens` / :func:`group_channels`;
 - :func:`codebook_quantize`: nearest centroid as ``np.searchsorted(thresholds, x, side="right")``;
 - :func:`softmax_attend`: attention with GQA and a per-token logit scale, returning (out, lse).

@@ -38,12 +38,12 @@ ARRAYS = "kvq_core.dispatch.arrays:TorchArrays"
 #: method name -> TorchMethod subclass (lazy: a module that fails to import disables one method).
 KERNELS: dict[str, str] = {
     "fp16": "kvq_torch.fp16:Fp16Torch",
-    "kivi": "kvq_torch.kivi:KiviTorch",
+    "kivi": "kvq_torch.intcodes:IntCodesTorch",
     "octopus": "kvq_torch.octopus:OctopusTorch",
-    "oscar": "kvq_torch.oscar:OscarTorch",
+    "oscar": "kvq_torch.intcodes:IntCodesTorch",
     "polarquant": "kvq_torch.polarquant:PolarQuantTorch",
     "qjl": "kvq_torch.qjl:QJLTorch",
-    "quarot": "kvq_torch.quarot:QuaRotTorch",
+    "quarot": "kvq_torch.intcodes:IntCodesTorch",
     "turboquant": "kvq_torch.turboquant:TurboQuantTorch",
     "turboquant_prod": "kvq_torch.turboquant:TurboQuantProdTorch",
 }

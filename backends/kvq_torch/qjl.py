@@ -2,7 +2,7 @@
 
 The sign sketch itself is :mod:`kvq_torch.sketch` (shared with TurboQuant_prod). Arrays are
 [batch, kv_heads, rows, ...]; each kv head has its own sketch S (kv_heads, m, d).
-Values are KIVI's per-token codec, reusing :class:`kvq_torch.kivi.KiviTorch`. The key norm is
+Values are KIVI's per-token codec, reusing :class:`kvq_torch.intcodes.IntCodesTorch`. The key norm is
 bit-identical to the reference; S k is a float32 matmul in the BLAS's order, so a sign bit can
 differ from it only where a sketch entry is within rounding of 0.
 """
@@ -12,7 +12,7 @@ import torch
 
 from kvq_core.methods.qjl import QJLSpec
 from kvq_torch.common import Fields, TorchContext, TorchMethod, softmax_combine
-from kvq_torch.kivi import KiviTorch
+from kvq_torch.intcodes import IntCodesTorch
 from kvq_torch.rotation import by_kv_head, norm
 from kvq_torch.sketch import encode_signs, qjl_reconstruct, qjl_scores, sketch
 
@@ -24,7 +24,7 @@ class QJLTorch(TorchMethod):
 
     def __init__(self, spec: QJLSpec) -> None:
         super().__init__(spec)
-        self.values = KiviTorch(spec.value_codec)
+        self.values = IntCodesTorch(spec.value_codec)
 
     def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
         k = k.to(torch.float32)

@@ -1,5 +1,12 @@
-"""Integer (scale/offset) codes in Triton: the asymmetric min/max group quantizer of
-``kvq_numpy/intquant.py`` (OScaR, KIVI). Decoding is :func:`kvq_triton.tiles.decode`.
+"""The integer-code methods on Triton (mirrors ``kvq_numpy/intcodes.py``; specs/oscar.md 1.2-1.4 and 2).
+
+:class:`IntCodesTriton` serves a spec's :class:`~kvq_core.methods.intcodes.IntCodeRecipe`
+(OScaR, KIVI; QuaRot's clipped per-token groups are not served: ``plugin.supports`` keeps it
+out). Host glue in torch: the Hadamard rotation as one matmul and the omni-token norm (the
+torch backend's helpers, so the float32 input to the quantizer is the same). Triton: the
+asymmetric min/max group quantizer of ``kvq_numpy/intquant.py`` and packing (:func:`quantize`),
+the tile decoder (:mod:`kvq_triton.tiles`), and the fused split-KV attention
+(:mod:`kvq_triton.attention`), which multiplies each logit by the token norm.
 
 A block is viewed as ``x [A, L, C]`` with groups of ``group`` consecutive entries along L:
 keys ``[b*h, tokens, d]`` (per channel over token groups), values ``[b*h*tokens, d, 1]`` (per
@@ -13,8 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq_triton import config
+from kvq_core.errors import BackendUnavailableError
+from kvq_core.methods.intcodes import TOKENS, ZERO_INTEGER, IntGroups
+from kvq_torch.common import Fields, TorchContext, TorchMethod, hadamard_rotate
+from kvq_torch.intcodes import token_norms
+from kvq_triton import attention, config, tiles
 from kvq_triton.packing import pack_rows
+from kvq_triton.tiles import BATCH_SCALE, INT_CHANNELS, INT_TOKENS, NO_SCALE, Stored
 
 
 @triton.jit
@@ -83,10 +95,11 @@ def _view(x: torch.Tensor, along_tokens: bool) -> tuple[int, int, int]:
     return (b * h, t, d) if along_tokens else (b * h * t, d, 1)
 
 
-def quantize(x: torch.Tensor, bits: int, group: int, along_tokens: bool, integer_zero: bool) -> dict[str, torch.Tensor]:
+def quantize(x: torch.Tensor, groups: IntGroups) -> dict[str, torch.Tensor]:
     """Fields ``codes`` (packed along head_dim), ``scale`` and ``offset`` (float16) of a float32
-    block ``[b, h, t, d]``: groups of ``group`` tokens per channel, or of ``group`` channels per token.
-    ``integer_zero`` selects OScaR's integer zero-point, else KIVI's float minimum."""
+    block ``[b, h, t, d]`` coded over ``groups``: of ``groups.size`` tokens per channel, or of
+    ``groups.size`` channels per token, with its zero-point (the kernel's ``INTEGER_ZERO``)."""
+    along_tokens, bits, group = groups.axis == TOKENS, groups.bits, groups.size
     x = x.to(torch.float32).contiguous()
     b, h, t, d = x.shape
     A, L, C = _view(x, along_tokens)
@@ -103,5 +116,56 @@ def quantize(x: torch.Tensor, bits: int, group: int, along_tokens: bool, integer
         ab = max(1, config.tile() // gb)
     grid = (triton.cdiv(A, ab) * n_groups, triton.cdiv(C, cb))
     _quantize_kernel[grid](x, codes, scale, offset, A, L, C, n_groups, GROUP=group, BITS=bits,
-                           INTEGER_ZERO=integer_zero, AB=ab, GB=gb, CB=cb, enable_fp_fusion=False)
+                           INTEGER_ZERO=groups.zero_point == ZERO_INTEGER, AB=ab, GB=gb, CB=cb, enable_fp_fusion=False)
     return {"codes": pack_rows(codes, bits), "scale": scale, "offset": offset}
+
+
+class IntCodesTriton(TorchMethod):
+    """An integer-code method on Triton (a spec with a ``recipe`` whose ``clip_ratio`` is 1)."""
+
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self.recipe = spec.recipe
+        if self.recipe.clip_ratio != 1.0:
+            raise BackendUnavailableError(f"the Triton quantizer does not clip group ranges; not {self.recipe}")
+
+    def _rotate(self, x: torch.Tensor, ctx: TorchContext) -> torch.Tensor:
+        """``x @ H`` (H is its own inverse), or float32 x when the recipe does not rotate."""
+        return hadamard_rotate(x, ctx.consts["hadamard"]) if self.recipe.rotates else x.to(torch.float32)
+
+    def _stored(self, fields: Fields, groups: IntGroups, norm: torch.Tensor | None = None) -> Stored:
+        """A block as the tile decoder reads it; with ``norm`` each token's logit (or row) is scaled by it."""
+        kind = INT_TOKENS if groups.axis == TOKENS else INT_CHANNELS
+        return Stored(kind, fields["codes"], groups.bits, fields["scale"], fields["offset"], group=groups.size,
+                      token_scale=norm, scale_mode=NO_SCALE if norm is None else BATCH_SCALE)
+
+    def _keys(self, fields: Fields) -> Stored:
+        return self._stored(fields, self.recipe.keys, fields["norm"] if self.recipe.token_norm else None)
+
+    def _values(self, fields: Fields) -> Stored:
+        return self._stored(fields, self.recipe.values)
+
+    def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
+        kr = self._rotate(k, ctx)
+        norm = token_norms(kr) if self.recipe.token_norm else None
+        u = kr if norm is None else kr / norm[:, None, :, None]
+        fields = quantize(u, self.recipe.keys)
+        if norm is not None:
+            fields["norm"] = norm
+        return fields
+
+    def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
+        return self._rotate(tiles.decode(self._keys(fields), ctx.shape), ctx)
+
+    def encode_values(self, v: torch.Tensor, ctx: TorchContext) -> Fields:
+        return quantize(self._rotate(v, ctx), self.recipe.values)
+
+    def decode_values(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
+        return self._rotate(tiles.decode(self._values(fields), ctx.shape), ctx)
+
+    def attend(self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float):
+        """Rotate q once, score the coded keys times the token norm, un-rotate the output once."""
+        b, hq, lq, d = q.shape
+        q_rot = self._rotate(q, ctx).reshape(b, ctx.shape[1], -1, d)
+        out, lse = attention.attend(q_rot, self._keys(kfields), self._values(vfields), scale)
+        return self._rotate(out, ctx).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)

@@ -9,8 +9,9 @@ tail tokens. :func:`kvq_triton.attention._combine_kernel` merges the splits by l
 contiguous blocks. The grid depends only on shapes (tokens, heads, block-table width), and nothing
 is read back to the host, so a call can be captured in a CUDA graph.
 
-Served: OScaR and KIVI at 2, 4 or 8 bits with power-of-two head_dim, key group and value group
-(>= 16 tokens per key group), and OCTOPUS with coded values (``values="octopus"``, head_dim <= 256).
+Served: integer-code recipes grouped as OScaR's and KIVI's (keys along tokens, values along
+channels; :class:`kvq_core.methods.intcodes.IntCodeRecipe`) at 2, 4 or 8 bits with power-of-two
+head_dim, key group and value group (>= 16 tokens per key group), and OCTOPUS with coded values (``values="octopus"``, head_dim <= 256).
 Other specs take the torch fallback (``kvq_torch.paged``, through the table).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton.language as tl
 
 from kvq_core.dispatch.run import PAGED_FALLBACK, paged_kernel
 from kvq_core.dispatch.torch_kernels import consts_for
+from kvq_core.methods.intcodes import CHANNELS, TOKENS
 from kvq_core.paged import PageLayout
 from kvq_core.spec import MethodSpec
 from kvq_torch.common import hadamard_rotate
@@ -191,10 +193,12 @@ def fits(spec: MethodSpec) -> bool:
     """Whether the paged Triton kernel serves ``spec`` (module docstring)."""
     d = spec.head_dim
     pow2 = d >= 16 and d & (d - 1) == 0
-    if spec.method in ("oscar", "kivi"):
-        kg = spec.key_group if spec.method == "oscar" else spec.group
-        vg = spec.value_group if spec.method == "oscar" else spec.group
-        return spec.bits in (2, 4, 8) and pow2 and kg >= 16 and kg & (kg - 1) == 0 and vg & (vg - 1) == 0
+    recipe = getattr(spec, "recipe", None)  # the integer-code methods' ingredients
+    if recipe is not None:
+        keys, values = recipe.keys, recipe.values
+        kg, vg = keys.size, values.size
+        return ((keys.axis, values.axis) == (TOKENS, CHANNELS) and keys.bits == values.bits and keys.bits in (2, 4, 8)
+                and pow2 and kg >= 16 and kg & (kg - 1) == 0 and vg & (vg - 1) == 0)
     if spec.method == "octopus":
         return spec.values == "octopus" and pow2 and d <= 256 and spec.triplet_bits <= 24
     return False
@@ -218,7 +222,7 @@ class PagedTriton:
         """(to the codes' domain, back from the values' domain) on ``[b, h, t, d]`` tensors."""
         if self.spec.method == "octopus":
             return (lambda x: rotate_queries(x, consts, hk), lambda x: unrotate_output(x, consts, hk))
-        if self.spec.method == "oscar" and self.spec.rotation:
+        if self.spec.recipe.rotates:  # an integer-code recipe (fits)
             rot = lambda x: hadamard_rotate(x, consts["hadamard"])  # noqa: E731
             return rot, rot
         same = lambda x: x.to(torch.float32)  # noqa: E731
@@ -256,8 +260,8 @@ class PagedTriton:
         else:
             tk = tv = qr
             max_tail, tl_lens = 1, code
-        int_codes = spec.method != "octopus"
-        kgroup = (spec.key_group if spec.method == "oscar" else spec.group) if int_codes else 1
+        int_codes = spec.method != "octopus"  # else an integer-code recipe (fits)
+        kgroup = spec.recipe.keys.size if int_codes else 1
         bn = min(64, kgroup) if int_codes else (64 if d <= 128 else 32)
         bm = max(16, triton.next_power_of_2(g))
         max_ctx = block_table.shape[1] * bs
@@ -278,11 +282,11 @@ class PagedTriton:
             aux0 = aux1 = qr
             ks, ko, vs, vo = (layout.slot("keys", "scale"), layout.slot("keys", "offset"),
                               layout.slot("values", "scale"), layout.slot("values", "offset"))
-            use_norm = spec.method == "oscar" and spec.token_scaling
+            use_norm = spec.recipe.token_norm
             kn = layout.slot("keys", "norm") if use_norm else ks
             offsets = dict(KS_OFF=ks.start, KO_OFF=ko.start, STAT_W=ks.width, KN_OFF=kn.start, KN_W=kn.width,
-                           USE_NORM=use_norm, VS_OFF=vs.start, VO_OFF=vo.start, VN_OFF=0, VGROUP=(
-                               spec.value_group if spec.method == "oscar" else spec.group), RHO_BITS=0)
+                           USE_NORM=use_norm, VS_OFF=vs.start, VO_OFF=vo.start, VN_OFF=0, VGROUP=spec.recipe.values.size,
+                           RHO_BITS=0)
             bits = spec.bits
         else:
             aux0, aux1 = consts["rho_codebook"].to(torch.float32), consts["directions"].to(torch.float32)

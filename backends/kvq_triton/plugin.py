@@ -26,9 +26,9 @@ NAME = "triton"
 
 #: method -> "module:Class" of its Triton kernels (a TorchMethod subclass).
 KERNELS: dict[str, str] = {
-    "kivi": "kvq_triton.kivi:KiviTriton",
+    "kivi": "kvq_triton.intcodes:IntCodesTriton",
     "octopus": "kvq_triton.octopus:OctopusTriton",
-    "oscar": "kvq_triton.oscar:OscarTriton",
+    "oscar": "kvq_triton.intcodes:IntCodesTriton",
     "turboquant": "kvq_triton.turboquant:TurboQuantTriton",
 }
 

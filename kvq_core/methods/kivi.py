@@ -5,7 +5,7 @@ fixed channels, so a channel's range is tight); values per token over groups of 
 channels. Both use asymmetric min/max round-to-nearest (specs/baselines.md section 4).
 
 Zero-point: as KIVI's official code, the group minimum is the float zero-point
-(``v = q s + min``, ``zero_point="min"`` in the shared quantizer), stored float16 beside the
+(``v = q s + min``, zero-point ``"min"`` in its :class:`~kvq_core.methods.intcodes.IntCodeRecipe`), stored float16 beside the
 float16 scale; a constant or all-zero group (zero range) reconstructs exactly with scale 0.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
+from kvq_core.methods.intcodes import CHANNELS, NO_ROTATION, TOKENS, ZERO_MIN, IntCodeRecipe, IntGroups
 from kvq_core.spec import MethodSpec, channel_group
 
 
@@ -41,6 +42,13 @@ class KiviSpec(MethodSpec):
         self._check_int("group", 1, self.head_dim)
         if self.head_dim % self.group:
             self._fail("group", f"a divisor of head_dim={self.head_dim}")
+
+    @property
+    def recipe(self) -> IntCodeRecipe:
+        """No rotation, no token norm; keys per channel over ``group`` tokens, values per token over
+        ``group`` channels, the group minimum as the zero-point."""
+        return IntCodeRecipe(NO_ROTATION, False, IntGroups(self.bits, TOKENS, self.group, ZERO_MIN),
+                             IntGroups(self.bits, CHANNELS, self.group, ZERO_MIN))
 
     def _layout(self, lead: tuple[int, int, int], stats: tuple[int, int, int, int]) -> Layout:
         return make_layout(

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
 from kvq_core.math.hadamard import dense_hadamard_block, sylvester_hadamard
+from kvq_core.methods.intcodes import CHANNELS, HADAMARD, NO_ROTATION, TOKENS, ZERO_INTEGER, IntCodeRecipe, IntGroups
 from kvq_core.spec import MethodSpec, channel_group
 
 MIN_BITS, MAX_BITS = 2, 8
@@ -57,6 +58,14 @@ class OscarSpec(MethodSpec):
             self._fail("value_group", f"a divisor of head_dim={self.head_dim}")
         self._check_bool("token_scaling")
         self._check_bool("rotation")
+
+    @property
+    def recipe(self) -> IntCodeRecipe:
+        """CR (``rotation``), OTS (``token_scaling``), keys per channel over ``key_group`` tokens and
+        values per token over ``value_group`` channels, integer zero-points."""
+        return IntCodeRecipe(HADAMARD if self.rotation else NO_ROTATION, self.token_scaling,
+                             IntGroups(self.bits, TOKENS, self.key_group, ZERO_INTEGER),
+                             IntGroups(self.bits, CHANNELS, self.value_group, ZERO_INTEGER))
 
     def key_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
         """Codes packed along head_dim; per-channel stats per token group; the fp32 token norm."""

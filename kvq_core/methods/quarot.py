@@ -18,6 +18,7 @@ import numpy as np
 
 from kvq_core.layout import Layout, codes_field, float_field, make_layout
 from kvq_core.math.hadamard import dense_hadamard_block, sylvester_hadamard
+from kvq_core.methods.intcodes import CHANNELS, HADAMARD, NO_ROTATION, ZERO_INTEGER, IntCodeRecipe, IntGroups
 from kvq_core.spec import MethodSpec
 
 
@@ -40,6 +41,13 @@ class QuaRotSpec(MethodSpec):
         rho = self.clip_ratio
         if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (math.isfinite(rho) and 0 < rho <= 1):
             self._fail("clip_ratio", "a number in (0, 1]")
+
+    @property
+    def recipe(self) -> IntCodeRecipe:
+        """The Hadamard (``rotation``), then keys and values alike per token over all head_dim
+        channels with an integer zero-point, the range clipped by ``clip_ratio``."""
+        per_token = IntGroups(self.bits, CHANNELS, self.head_dim, ZERO_INTEGER)
+        return IntCodeRecipe(HADAMARD if self.rotation else NO_ROTATION, False, per_token, per_token, self.clip_ratio)
 
     def key_layout(self, batch: int, kv_heads: int, tokens: int) -> Layout:
         """Codes packed along head_dim; one (scale, offset) per (token, head)."""

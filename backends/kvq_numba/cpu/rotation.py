@@ -1,5 +1,5 @@
 """Numba CPU row transforms around the integer codes: the Hadamard rotation of head vectors and
-OScaR's omni-token norm, with the reference's float32 arithmetic (kvq_numpy.oscar)."""
+OScaR's omni-token norm, with the reference's float32 arithmetic (kvq_numpy.intcodes)."""
 from __future__ import annotations
 
 import numpy as np
