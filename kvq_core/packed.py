@@ -151,10 +151,13 @@ class PackedKV:
         spec, kind, shape, layer, dtype, fields = self._checked
         if spec is not self.spec or kind != self.kind or shape != self.shape or layer != self.layer or dtype != self.dtype:
             return False
-        if len(fields) != len(self.fields):
-            return False
         current = self.fields
-        return all(current.get(name) is arr for name, arr in fields)
+        if len(fields) != len(current):
+            return False
+        for name, arr in fields:  # a plain loop: this runs twice per attend call
+            if current.get(name) is not arr:
+                return False
+        return True
 
     def to_dict(self) -> dict[str, Any]:
         """Plain form: spec dict, metadata and NumPy arrays; any backend can rebuild from it."""

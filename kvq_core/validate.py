@@ -20,6 +20,8 @@ _F32_TINY = float(np.finfo(np.float32).tiny)
 def _dims(shape: Any) -> tuple[Any, ...]:
     """Shape entries as ints; symbolic sizes (torch SymInts under torch.compile / torch.export)
     are kept as they are, since ``int()`` would specialise a dynamic dimension to a constant."""
+    if type(shape) is tuple and all(type(s) is int for s in shape):  # NumPy's shapes: nothing to convert
+        return shape
     return tuple(s if isinstance(s, int) or type(s).__name__ == "SymInt" else int(s) for s in shape)
 
 

@@ -11,10 +11,23 @@ from kvq_core import registry, testing
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
 
-def test_kernels_compile_once_per_signature() -> None:
+@pytest.mark.parametrize("method", ["oscar", "kivi"])
+def test_the_vector_attend_kernel_conforms_too(monkeypatch, method) -> None:
+    """Blocks shorter than PLANES_MIN_TOKENS attend with the general kernel; with the threshold at one
+    token the conformance suite's blocks take the vector kernel, proven equal to the reference too."""
+    from kvq_numba import intcodes
+
+    monkeypatch.setattr(intcodes, "PLANES_MIN_TOKENS", 1)
+    report = testing.check_method("numba", method, max_examples=12, errors=False)
+    assert report.ok and report.examples > 0, report.failure
+
+
+def test_kernels_compile_once_per_signature(monkeypatch) -> None:
     """Many conformance shapes/dtypes reuse one compiled specialisation per kernel (fixed dtypes)."""
+    from kvq_numba import intcodes
     from kvq_numba.cpu import attend, attend_planes, intquant, paged
 
+    monkeypatch.setattr(intcodes, "PLANES_MIN_TOKENS", 1)  # the vector kernel's path too
     testing.check_method("numba", "oscar", max_examples=4, errors=False)
     for kernel in (attend.attend_int_codes, attend_planes.planes_jobs, paged.plan, paged.combine,
                    intquant.encode_token_groups,

@@ -54,7 +54,7 @@ class NumbaArrays:
         return to_host(x)
 
     def all_finite(self, x: Any) -> bool:
-        return host_all_finite(self.to_numpy(x))
+        return host_all_finite(x if type(x) is np.ndarray else self.to_numpy(x))
 
     def cast(self, x: Any, dtype: str) -> Any:
         """``x`` as ``dtype`` (bfloat16, which NumPy lacks, stays float32), on the device it came from."""

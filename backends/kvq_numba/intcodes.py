@@ -33,6 +33,10 @@ threads.prefer_tbb()
 
 Fields = dict[str, Any]
 _NO_NORM = np.ones((1, 1), np.float32)
+#: Blocks shorter than this attend with the general kernel: the vector kernel's job plan costs ~40 us
+#: a call (host-side planning and scratch), more than the general kernel's whole run on a short block;
+#: from here on the two cost about the same on one thread, and the plan's token splits use the others.
+PLANES_MIN_TOKENS = 1024
 
 
 class IntCodesNumba(DeviceRouted):
@@ -57,11 +61,9 @@ class IntCodesNumba(DeviceRouted):
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
 
     @functools.cached_property
-    def _attend_kernel(self) -> Any:
-        """The vector kernel (cpu_attend_planes) for 2- and 4-bit rows of whole 8-byte chunks, else the general one."""
-        if cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group):
-            return cpu_attend_planes.attend_planes
-        return cpu_attend.attend_int_codes
+    def _fits_planes(self) -> bool:
+        """Whether code rows take the vector kernel (cpu_attend_planes: 2- and 4-bit rows of whole 8-byte chunks)."""
+        return cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group)
 
     def _rotate(self, x: np.ndarray) -> np.ndarray:
         return cpu_rotation.rotate(x, self.inv_sqrt_d) if self.rotation else x
@@ -121,15 +123,26 @@ class IntCodesNumba(DeviceRouted):
 
     def _attend(self, q: Any, kfields: Fields, vfields: Fields, hk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
         b, hq, lq, d = q.shape
-        kernel, args = self.attend_args(self._rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d)),
-                                        kfields, vfields, scale)
+        kernel, args = self.attend_args(as_float32(q).reshape(b, hk, (hq // hk) * lq, d), kfields, vfields, scale)
         out, lse = kernel(*args)
-        return self._rotate(out).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+        return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
 
-    def attend_args(self, qr: np.ndarray, kfields: Fields, vfields: Fields, scale: float) -> tuple[Any, tuple[Any, ...]]:
-        """The attend kernel and its arguments for rotated queries ``qr`` [b, hk, rows, d] (also what
-        ``kvq bench speed`` calls directly to time the Python around it)."""
-        return self._attend_kernel, (qr, *self._block_args(kfields, vfields, scale))
+    def attend_args(self, qo: np.ndarray, kfields: Fields, vfields: Fields, scale: float) -> tuple[Any, tuple[Any, ...]]:
+        """``(kernel, args)``: ``kernel(*args)`` attends queries ``qo`` [b, hk, rows, d] (C-contiguous float32,
+        original domain) over the block, returning ``(out, lse)`` in the same shapes (also what ``kvq bench
+        speed`` calls directly to time the Python around it). Blocks of at least :data:`PLANES_MIN_TOKENS`
+        whose rows fit take the vector kernel between two rotations; shorter ones the general kernel, with
+        the rotations inside its one compiled call."""
+        args = self._block_args(kfields, vfields, scale)
+        if self._fits_planes and kfields["codes"].shape[2] >= PLANES_MIN_TOKENS:
+            return self._planes, (qo, *args)
+        if self.rotation:
+            return cpu_attend.attend_int_codes_rotated, (qo, self.inv_sqrt_d, *args)
+        return cpu_attend.attend_int_codes, (qo, *args)
+
+    def _planes(self, qo: np.ndarray, *args: Any) -> tuple[np.ndarray, np.ndarray]:
+        out, lse = cpu_attend_planes.attend_planes(self._rotate(qo), *args)
+        return self._rotate(out), lse
 
     def _block_args(self, kfields: Fields, vfields: Fields, scale: float) -> tuple[Any, ...]:
         """A block's fields and the method's ingredients, in the attend kernels' argument order (after the queries)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu.common import unpack_rows
+from kvq_numba.cpu.common import fwht_block, unpack_rows
 from kvq_numba.cpu.simd import halves, vfma, vload, vstore
 from kvq_numba.cpu.tiles import ROWS, logits, tile_of, tile_queries, weighted_rows, write_tile
 
@@ -160,3 +160,20 @@ def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale
                 weighted_rows(p.reshape(ROWS * BLOCK), BLOCK, vbuf.reshape(BLOCK * d), d, n, acc)
         write_tile(acc, m, l, b, h, r0, nrt, out, lse)
     return out, lse
+
+
+@njit(cache=True)
+def attend_int_codes_rotated(q, inv_sqrt_d, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset,
+                             bits, kgroup, vgroup, scale):
+    """:func:`attend_int_codes` over Hadamard-rotated codes for C-contiguous queries ``q`` in the original
+    domain: ``q H`` in, the output brought back by ``H``, in one compiled call (a short block's attend
+    is then a single dispatch from Python)."""
+    d = q.shape[3]
+    qr = np.empty_like(q)
+    fwht_block(q.reshape(-1, d), qr.reshape(-1, d), inv_sqrt_d)
+    out, lse = attend_int_codes(qr, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset,
+                                bits, kgroup, vgroup, scale)
+    rows = out.reshape(-1, d)
+    fwht_block(rows, rows, inv_sqrt_d)
+    return out, lse
+
