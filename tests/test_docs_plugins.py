@@ -44,3 +44,12 @@ def test_minimal_backend_installs_and_conforms(tmp_path: Path, monkeypatch: pyte
     finally:
         monkeypatch.undo()
         registry.reload()
+
+
+def test_docs_name_every_built_in_plugin() -> None:
+    """The plugin guide and the architecture page list kvq's built-in plugins as pyproject.toml has them."""
+    names = {name for name, _ in registry.builtin_plugins()[0]}
+    for doc in (DOC, DOC.parent / "architecture.md"):
+        listing = re.search(r"\(`kvq-methods`,[^)]*\)", doc.read_text())
+        assert listing, f"{doc.name} names no built-in plugins"
+        assert set(re.findall(r"`([\w-]+)`", listing.group(0))) == names, (doc.name, listing.group(0), names)
