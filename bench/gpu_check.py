@@ -327,7 +327,7 @@ def benchmarks(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserve
 
     from kvq_core import registry
     from kvq_core.api import Quantizer
-    from kvq_core.kernels import KernelContext
+    from kvq_core.contract import KernelContext
 
     rows: list[Row] = []
     print(f"\n== 2-3. encode and attend: {plan.kv_heads} KV heads x {plan.head_dim}, GQA {plan.gqa}, bf16 input "
@@ -400,7 +400,7 @@ def paged_op() -> Any:
     import torch
 
     try:
-        import kvq_core.dispatch.ops  # noqa: F401 - defines the kvq:: ops
+        import kvq_core.torch_ops.ops  # noqa: F401 - defines the kvq:: ops
         import kvq_core.testing.paged  # noqa: F401 - paged_case
     except ImportError:
         return None
@@ -410,7 +410,7 @@ def paged_op() -> Any:
 def paged_backends(spec: Any, backends: dict[str, list[str]]) -> list[tuple[str, str]]:
     """(backend, label) timed: every GPU backend with a paged kernel of its own for the spec, and
     the torch fallback (the op bodies serve a backend without one by it)."""
-    from kvq_core.dispatch import run
+    from kvq_core.torch_ops import run
 
     fallback = type(run.paged_kernel(run.PAGED_FALLBACK, spec.to_json()))
     out = [(b, b) for b in backends if b != run.PAGED_FALLBACK and _paged_impl(run, b, spec) not in (None, fallback)]

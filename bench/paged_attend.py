@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import kvq_core
-import kvq_core.dispatch.ops  # noqa: F401
-from kvq_core.dispatch.torch_kernels import spec_from_json
-from kvq_core.dispatch.torch_kernels import field_names
+import kvq_core.torch_ops.ops  # noqa: F401
+from kvq_core.torch_ops.torch_kernels import spec_from_json
+from kvq_core.torch_ops.torch_kernels import field_names
 from kvq_core.paged import PageLayout
 
 HK, HQ, D, PAGE = 3, 9, 64, 32

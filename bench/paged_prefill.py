@@ -20,7 +20,7 @@ import numba
 import torch
 
 import kvq_core
-import kvq_core.dispatch.ops  # noqa: F401
+import kvq_core.torch_ops.ops  # noqa: F401
 from kvq_core.testing.paged import paged_case
 from kvq_numba import paged
 

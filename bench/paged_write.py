@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 import kvq_core
-import kvq_core.dispatch.ops  # noqa: F401
+import kvq_core.torch_ops.ops  # noqa: F401
 from kvq_core import registry
 from kvq_core.constants import constants
-from kvq_core.dispatch.torch_kernels import context, field_names, spec_from_json
-from kvq_core.kernels import KernelContext
+from kvq_core.torch_ops.torch_kernels import context, field_names, spec_from_json
+from kvq_core.contract import KernelContext
 from kvq_core.paged import PageLayout, step_blocks
 from kvq_torch.common import TorchMethod
 
@@ -69,7 +69,7 @@ def _before_kernel(spec_json: str) -> _BeforeEncode:
 
 @torch.library.custom_op("kvq_bench::encode_before", mutates_args=())
 def encode_before(spec_json: str, layer: int, kind: str, x: torch.Tensor) -> list[torch.Tensor]:
-    """``kvq::encode``'s body (:func:`kvq_core.dispatch.run.encode`) with the adapter above as the
+    """``kvq::encode``'s body (:func:`kvq_core.torch_ops.run.encode`) with the adapter above as the
     kernel: the op the plugin called before (its backend entry is gone from kvq)."""
     impl = _before_kernel(spec_json)
     ctx = context(spec_json, layer, x.shape, x.device)

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from kvq_core import registry
 from kvq_core.constants import LazyConstants
 from kvq_core.errors import BackendUnavailableError, InputError, SpecError
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_core.packed import PackedKV, bits_per_element
 from kvq_core.spec import MethodSpec
 from kvq_core.validate import (
@@ -35,12 +35,12 @@ class _Bound(NamedTuple):
 
 def _kernels_of(backend: str, method: str) -> Any:
     """What a Quantizer calls with a spec to get its kernels: the registry's kernel class, or on a
-    ``torch_ops`` backend :class:`~kvq_core.dispatch.calls.OpKernels`, which runs that class through
+    ``torch_ops`` backend :class:`~kvq_core.torch_ops.calls.OpKernels`, which runs that class through
     the ``kvq::`` ops (compile and export then see one opaque node per call)."""
     factory = registry.kernel_factory(backend, method)
     if not registry.backend_info(backend).torch_ops:
         return factory
-    from kvq_core.dispatch.calls import OpKernels
+    from kvq_core.torch_ops.calls import OpKernels
 
     return functools.partial(OpKernels, backend)
 

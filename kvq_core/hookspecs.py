@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvq_core.kernels import BackendInfo, MethodInfo
+    from kvq_core.contract import BackendInfo, MethodInfo
 
 PROJECT = "kvq"
 ENTRY_POINT_GROUP = "kvq.plugins"

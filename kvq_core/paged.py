@@ -20,7 +20,7 @@ table row. :class:`PageLayout` says where each packed field lies in a row:
 ``[b, h, t, ...]`` and rows ``uint8 [b, h, t, row_bytes]`` (NumPy arrays or torch tensors; torch is
 never imported here).
 
-**Paged attention** (``torch.ops.kvq.attend_paged``, schema in :mod:`kvq_core.dispatch.ops`), one
+**Paged attention** (``torch.ops.kvq.attend_paged``, schema in :mod:`kvq_core.torch_ops.ops`), one
 call per layer and step for the whole batch::
 
     kvq::attend_paged(str backend, str spec_json, int layer, Tensor q, Tensor pages, Tensor block_table,
@@ -329,7 +329,7 @@ def attend_paged_reference(spec: MethodSpec, layer: int, q: Any, pages: Any, blo
     Returns ``(out float32 [n_tokens, q_heads, d], lse float32 [n_tokens, q_heads])``."""
     from kvq_core.constants import constants
     from kvq_core.host_arrays import to_host
-    from kvq_core.kernels import KernelContext
+    from kvq_core.contract import KernelContext
     from kvq_core.registry import kernel_factory
 
     q, pages, table = to_host(q).astype(np.float32), to_host(pages), to_host(block_table).astype(np.int64)

@@ -41,7 +41,7 @@ from kvq_core.errors import (
     UnknownBackendError,
     UnknownMethodError,
 )
-from kvq_core.kernels import ALL_METHODS, ArrayAdapter, BackendInfo, MethodInfo, resolve
+from kvq_core.contract import ALL_METHODS, ArrayAdapter, BackendInfo, MethodInfo, resolve
 from kvq_core.packed import set_spec_resolver
 from kvq_core.spec import MethodSpec
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvq_core.errors import InputError, LayoutError
 from kvq_core.host_arrays import dtype_name as _dtype_name
-from kvq_core.kernels import ArrayAdapter
+from kvq_core.contract import ArrayAdapter
 from kvq_core.packed import PackedKV
 from kvq_core.spec import MethodSpec
 

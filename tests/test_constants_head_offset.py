@@ -8,7 +8,7 @@ import pytest
 from kvq_core import registry
 from kvq_core.constants import PER_HEAD, constants
 from kvq_core.errors import SpecError
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 
 PER_HEAD_CODECS = [("octopus", {"bits": 3}), ("turboquant", {"bits": 3}), ("turboquant", {"bits": 2, "rotation": "haar"}),
                    ("polarquant", {}), ("qjl", {}), ("turboquant_prod", {"bits": 3}), ("quarot", {"bits": 4})]
@@ -69,8 +69,8 @@ def test_tp_rank_ops_equal_single_rank_slice(method: str, params: dict, backend:
     torch = pytest.importorskip("torch")
     if backend == "numba":
         pytest.importorskip("numba")
-    import kvq_core.dispatch.ops  # noqa: F401
-    from kvq_core.dispatch.torch_kernels import field_names
+    import kvq_core.torch_ops.ops  # noqa: F401
+    from kvq_core.torch_ops.torch_kernels import field_names
     from kvq_core.paged import PageLayout
 
     spec = registry.make_spec(method, head_dim=64, **params)

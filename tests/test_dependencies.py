@@ -38,7 +38,7 @@ EXTRAS_BY_PREFIX: dict[str, tuple[str, ...]] = {
     "kvq_core/training.py": ("torch",),  # fake-quantized attention for training: torch tensors and autograd
     "kvq_core/tune.py": ("hf", "torch"),  # kvq tune: a transformers model, its gradients, tqdm bars
     "kvq_core/testing/paged.py": ("dev", "torch"),  # kvq::attend_paged cases are torch tensors
-    "kvq_core/dispatch": ("torch",),  # the kvq:: op dispatch for torch-tensor backends (main's restructure)
+    "kvq_core/torch_ops": ("torch",),  # the kvq:: op dispatch for torch-tensor backends (main's restructure)
     "backends/kvq_numpy": (),
     "backends/kvq_torch": ("torch",),
     "backends/kvq_triton": ("triton", "torch"),

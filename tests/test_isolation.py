@@ -16,7 +16,7 @@ import kvq_core
 from kvq_core import registry
 from kvq_core.errors import BackendUnavailableError, MethodUnavailableError, PluginError
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import BackendInfo, MethodInfo
+from kvq_core.contract import BackendInfo, MethodInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 

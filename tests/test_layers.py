@@ -1,6 +1,6 @@
 """The core's layers point one way: a reader can go bottom-up, errors -> math, host arrays ->
-layout -> packed blocks, token join/split, spec -> methods -> registry -> dispatch (the ``kvq::``
-ops) -> api, validate -> integrations, and no module imports one above it (in-function imports
+layout -> packed blocks, token join/split, spec -> methods -> registry -> torch_ops (the ``kvq::``
+ops) -> api, validate -> integrations -> tools, and no module imports one above it (in-function imports
 included; type-only imports under ``if TYPE_CHECKING`` are exempt)."""
 from __future__ import annotations
 
@@ -20,15 +20,22 @@ RANKS = {
     "kvq_core.packed": 3,
     "kvq_core.tokens": 3,
     "kvq_core.spec": 3,
-    "kvq_core.kernels": 3,
+    "kvq_core.contract": 3,
     "kvq_core.hookspecs": 3,
     "kvq_core.methods": 4,
     "kvq_core.constants": 4,
     "kvq_core.registry": 5,
-    "kvq_core.dispatch": 6,  # the kvq:: ops a Quantizer on a torch_ops backend calls
+    "kvq_core.torch_ops": 6,  # the kvq:: ops a Quantizer on a torch_ops backend calls
     "kvq_core.validate": 7,
     "kvq_core.api": 7,
-    "kvq_core": 8,  # integrations: hf, eval, bench, testing, cli, demo, metrics, ...
+    "kvq_core": 8,  # integrations: hf (transformers), onnx, paged (serving engines), training, testing, plan, ...
+    # tools, on top: what the ``kvq`` command runs
+    "kvq_core.bench": 9,
+    "kvq_core.eval": 9,
+    "kvq_core.tune": 9,
+    "kvq_core.warmup": 9,
+    "kvq_core.demo": 9,
+    "kvq_core.cli": 9,
 }
 
 

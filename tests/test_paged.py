@@ -14,7 +14,7 @@ from kvq_core.errors import LayoutError, SpecError
 from kvq_core.paged import PageLayout, attend_paged_reference
 
 torch = pytest.importorskip("torch")
-import kvq_core.dispatch.ops  # noqa: E402,F401
+import kvq_core.torch_ops.ops  # noqa: E402,F401
 from kvq_core.testing.paged import paged_case  # noqa: E402
 
 D = 64

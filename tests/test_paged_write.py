@@ -15,7 +15,7 @@ from kvq_core.api import Quantizer
 from kvq_core.paged import PageLayout, step_blocks
 
 torch = pytest.importorskip("torch")
-import kvq_core.dispatch.ops  # noqa: E402,F401
+import kvq_core.torch_ops.ops  # noqa: E402,F401
 
 D, HEADS, LAYER = 64, 3, 5
 NUMBA = importlib.util.find_spec("numba") is not None

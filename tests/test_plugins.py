@@ -33,7 +33,7 @@ DISTS = {
     "kvq-broken": ("kvq_broken", "raise ImportError('kvq_broken needs a driver this machine lacks')\n"),
     "kvq-dupmethod": ("kvq_dupmethod", '''
         from kvq_core.hookspecs import hookimpl
-        from kvq_core.kernels import MethodInfo
+        from kvq_core.contract import MethodInfo
 
         @hookimpl
         def kvq_register_methods(register):
@@ -41,7 +41,7 @@ DISTS = {
         '''),
     "kvq-dupkernels": ("kvq_dupkernels", '''
         from kvq_core.hookspecs import hookimpl
-        from kvq_core.kernels import MethodInfo
+        from kvq_core.contract import MethodInfo
 
         @hookimpl
         def kvq_register_methods(register):
@@ -58,7 +58,7 @@ DISTS = {
         import torch
 
         from kvq_core.hookspecs import hookimpl
-        from kvq_core.kernels import MethodInfo
+        from kvq_core.contract import MethodInfo
         from kvq_core.methods.fp16 import Fp16Spec
         from kvq_torch.common import TorchMethod
 
@@ -199,8 +199,8 @@ def test_plugin_torch_kernels_are_the_backends_own(installed) -> None:
     (the backend's ``adapt``) exactly as it does a built-in class."""
     import torch
 
-    from kvq_core.dispatch import run
-    from kvq_core.dispatch.calls import OpKernels
+    from kvq_core.torch_ops import run
+    from kvq_core.torch_ops.calls import OpKernels
     from kvq_torch.common import TorchMethod
     from kvq_torch.compiled import CompiledMethod
     from kvq_torch.paged import PagedTorch

@@ -14,7 +14,7 @@ from kvq_core.errors import BackendUnavailableError, SpecError, UnknownBackendEr
 
 GOOD = '''
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import BackendInfo
+from kvq_core.contract import BackendInfo
 from kvq_numpy.arrays import NumpyArrays
 from kvq_numpy.fp16 import Fp16Kernels
 
@@ -36,7 +36,7 @@ def kvq_register_backend(register):
 '''
 DUPLICATE = '''
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import BackendInfo
+from kvq_core.contract import BackendInfo
 from kvq_numpy.arrays import NumpyArrays
 
 @hookimpl
@@ -141,15 +141,15 @@ def test_one_kernel_table_holds_the_real_classes() -> None:
     wrapper, no second table in dispatch), and a backend's trip through the kvq:: ops is a flag."""
     import importlib.util
 
-    from kvq_core import kernels
+    from kvq_core import contract
     from kvq_numba.intcodes import IntCodesNumba
     from kvq_numpy.intcodes import IntCodesKernels
 
     assert registry.kernel_factory("numpy", "oscar") is IntCodesKernels
     assert registry.kernel_factory("numba", "oscar") is IntCodesNumba
-    assert importlib.util.find_spec("kvq_core.dispatch.table") is None
-    assert not hasattr(kernels, "Deferred")
-    fields = {f.name for f in dataclasses.fields(kernels.BackendInfo)}
+    assert importlib.util.find_spec("kvq_core.torch_ops.table") is None
+    assert not hasattr(contract, "Deferred")
+    fields = {f.name for f in dataclasses.fields(contract.BackendInfo)}
     assert "kernel_entry" not in fields and {"torch_ops", "adapt", "paged", "paged_write"} <= fields
     assert not registry.backend_info("numpy").torch_ops and not registry.backend_info("numba").torch_ops
     assert registry.paged_factory("numpy", "oscar") is None  # no paged kernels: the ops fall back to torch's
@@ -157,7 +157,7 @@ def test_one_kernel_table_holds_the_real_classes() -> None:
 
 def test_torch_backends_hold_one_torchmethod_per_method() -> None:
     pytest.importorskip("torch")
-    from kvq_core.dispatch import calls, torch_kernels
+    from kvq_core.torch_ops import calls, torch_kernels
     from kvq_torch.common import TorchMethod
     from kvq_torch.intcodes import IntCodesTorch
     from kvq_torch.paged import PagedTorch

@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import kvq_core  # noqa: E402
 from kvq_core.synthetic import make_kv, make_queries  # noqa: E402
-from kvq_core.dispatch import ops  # noqa: E402
-from kvq_core.dispatch.arrays import TorchArrays  # noqa: E402
+from kvq_core.torch_ops import ops  # noqa: E402
+from kvq_core.torch_ops.arrays import TorchArrays  # noqa: E402
 
 OPCHECK_METHODS = ["fp16", "oscar", "kivi", "quarot"]
 
@@ -32,8 +32,8 @@ def _q(q_heads: int = 4, head_dim: int = 64, q_len: int = 1):
 def test_ops_are_in_one_namespace() -> None:
     for name in ("encode", "decode", "attend", "materialize"):
         assert hasattr(torch.ops.kvq, name)
-    assert set(ops.OPS) == {"encode", "decode", "attend", "materialize", "attend_paged", "write_paged", "fake_quant",
-                            "fake_quant_grad"}
+    assert set(ops.OPS) == {"encode", "decode", "attend", "materialize", "attend_paged", "attend_window", "write_paged",
+                            "fake_quant", "fake_quant_grad"}
     torch.library.opcheck(torch.ops.kvq.materialize.default, (torch.randn(3, 4).t(),))
     assert str(torch.ops.kvq.encode.default._schema) == ("kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x, "
                                                          "int head_offset=0) -> Tensor[]")

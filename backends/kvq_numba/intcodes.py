@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvq_core.errors import BackendUnavailableError
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_core.methods.intcodes import CHANNELS, TOKENS, ZERO_INTEGER, IntCodeRecipe
 from kvq_numba import compile_notice, rules, threads
 from kvq_numba.arrays import as_float32

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_core.methods.octopus import OctopusSpec
 from kvq_numba import compile_notice, threads
 from kvq_numba.arrays import as_float32

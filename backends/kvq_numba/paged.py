@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from kvq_core.constants import constants
-from kvq_core.dispatch.run import PAGED_FALLBACK, paged_kernel
-from kvq_core.kernels import KernelContext
+from kvq_core.torch_ops.run import PAGED_FALLBACK, paged_kernel
+from kvq_core.contract import KernelContext
 from kvq_core.paged import GROUP, PageLayout, gather_rows
 from kvq_core.registry import kernel_factory
 from kvq_core.spec import MethodSpec

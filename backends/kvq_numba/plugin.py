@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable
 
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import BackendInfo
+from kvq_core.contract import BackendInfo
 from kvq_core.registry import make_spec
 from kvq_core.spec import MethodSpec
 from kvq_numba.arrays import NumbaArrays

@@ -13,7 +13,7 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_numba.arrays import is_cuda_input
 
 Fields = dict[str, Any]

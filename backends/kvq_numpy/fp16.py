@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_core.methods.fp16 import Fp16Spec
 from kvq_numpy.attention import softmax_attend
 

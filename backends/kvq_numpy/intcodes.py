@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_core.methods.intcodes import CHANNELS, TOKENS, IntGroups
 from kvq_numpy import intquant
 from kvq_numpy.attention import softmax_attend

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_core.layout import pack_codes, unpack_codes
 from kvq_core.math.octahedral import JOINT_NEIGHBOURS, oct_encode
 from kvq_core.methods.octopus import OctopusSpec

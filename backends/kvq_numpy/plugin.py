@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import BackendInfo
+from kvq_core.contract import BackendInfo
 from kvq_numpy.arrays import NumpyArrays
 
 KERNELS = {

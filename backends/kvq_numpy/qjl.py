@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_core.methods.qjl import QJLSpec
 from kvq_numpy.attention import by_kv_head, from_kv_head, softmax_over_logits
 from kvq_numpy.intcodes import IntCodesKernels

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_core.layout import pack_codes, unpack_codes
 from kvq_core.methods.turboquant import TurboQuantProdSpec, TurboQuantSpec, codebook_key, thresholds_key
 from kvq_numpy.attention import by_kv_head, from_kv_head, softmax_attend, softmax_over_logits

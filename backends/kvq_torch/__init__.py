@@ -1,5 +1,5 @@
 """kvq's PyTorch backends: ``"torch"`` (eager) and ``"torch-compiled"`` (the same kernels compiled
-by inductor), both served through the ``kvq::`` ops of :mod:`kvq_core.dispatch` and registered by
+by inductor), both served through the ``kvq::`` ops of :mod:`kvq_core.torch_ops` and registered by
 :mod:`kvq_torch.plugin`.
 
 Layout of this package:
@@ -32,7 +32,7 @@ Design notes:
 
 - **Constants** are not op arguments: they are a pure function of (spec, layer, kv_heads), all
   of which the op receives; the op body fetches them (cached per device) with
-  :func:`kvq_core.dispatch.torch_kernels.consts_for`, which keeps NumPy out of traced code and
+  :func:`kvq_core.torch_ops.torch_kernels.consts_for`, which keeps NumPy out of traced code and
   constant tensors out of exported graphs.
 - **torch-compiled**: only token dims dynamic, batch/heads/head_dim/spec static; inputs cast
   to float32 first; one graph per spec, kernel, batch and kv_heads. Its codes are

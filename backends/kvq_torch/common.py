@@ -11,8 +11,8 @@ Contents:
 - :class:`TorchMethod`: the base of a method's kernels on every ``torch_ops`` backend (kvq's
   ``torch``, ``torch-compiled`` and ``triton``, and plugins' kernels; the one class plugin authors
   subclass, see docs/plugins.md); what they receive, the
-  :class:`~kvq_core.dispatch.torch_kernels.TorchContext`, and the per-device constant cache live
-  in :mod:`kvq_core.dispatch`;
+  :class:`~kvq_core.torch_ops.torch_kernels.TorchContext`, and the per-device constant cache live
+  in :mod:`kvq_core.torch_ops`;
 - :func:`pack_codes` / :func:`unpack_codes`: the bit rule of :mod:`kvq_core.layout`;
 - :func:`fwht`: the butterfly of :func:`kvq_core.math.hadamard.fwht`, stage for stage;
 - :func:`hadamard_rotate`: the same rotation as a matmul by the core's <= 128-wide factor plus
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvq_core.dispatch.torch_kernels import Consts, Fields, TorchContext
+from kvq_core.torch_ops.torch_kernels import Consts, Fields, TorchContext
 from kvq_core.layout import packed_row_bytes
 from kvq_core.math.hadamard import hadamard_block
 from kvq_core.spec import MethodSpec
@@ -46,8 +46,8 @@ class TorchMethod:
     """Base of a method's kernels on a ``torch_ops`` backend (one subclass per method and backend,
     listed in the backend's kernel table or registered by a plugin with ``kvq_register_kernels``).
 
-    Subclasses implement the functions of :class:`kvq_core.kernels.MethodKernels` on torch
-    tensors with a :class:`~kvq_core.dispatch.torch_kernels.TorchContext` (tensor constants on the
+    Subclasses implement the functions of :class:`kvq_core.contract.MethodKernels` on torch
+    tensors with a :class:`~kvq_core.torch_ops.torch_kernels.TorchContext` (tensor constants on the
     data's device) in place of the NumPy one:
 
     - ``encode_keys(k, ctx) -> dict`` of fields (any float dtype in; compute in float32),

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvq_core.dispatch.torch_kernels import Fields, TorchContext, field_names
+from kvq_core.torch_ops.torch_kernels import Fields, TorchContext, field_names
 from kvq_core.spec import MethodSpec
 from kvq_torch.common import TorchMethod
 
@@ -107,7 +107,7 @@ def _dyn(x: torch.Tensor, dims: tuple[int, ...] = ()) -> torch.Tensor:
 
 class CompiledMethod:
     """One method's kernels on ``"torch-compiled"``: the eager kernel object ``impl``, each of its
-    five functions compiled by inductor on first use (a table kernel of :mod:`kvq_core.dispatch`)."""
+    five functions compiled by inductor on first use (a table kernel of :mod:`kvq_core.torch_ops`)."""
 
     def __init__(self, impl: TorchMethod) -> None:
         self.impl = impl

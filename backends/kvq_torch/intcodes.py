@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq_core.dispatch.ops import materialize
+from kvq_core.torch_ops.ops import materialize
 from kvq_core.methods.intcodes import CHANNELS, TOKENS, IntGroups
 from kvq_torch.common import (
     Fields,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-import kvq_core.dispatch.ops  # noqa: F401  (defines the kvq:: ops)
-from kvq_core.dispatch.torch_kernels import field_names
+import kvq_core.torch_ops.ops  # noqa: F401  (defines the kvq:: ops)
+from kvq_core.torch_ops.torch_kernels import field_names
 from kvq_core.paged import PageLayout
 from kvq_core.spec import MethodSpec
 

@@ -1,6 +1,6 @@
 """Registers the torch backends through kvq's hooks, like any third-party plugin.
 
-- ``"torch"``: eager; every kernel call is one ``kvq::`` custom op (:mod:`kvq_core.dispatch.ops`,
+- ``"torch"``: eager; every kernel call is one ``kvq::`` custom op (:mod:`kvq_core.torch_ops.ops`,
   ``BackendInfo.torch_ops``) served by the classes of ``KERNELS``, so a user's ``torch.compile(fullgraph=True)`` or
   ``torch.export`` over kvq calls keeps each op as one opaque graph node, with no graph break.
 - ``"torch-compiled"``: the same classes, each kernel function compiled by inductor
@@ -27,13 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import ALL_METHODS, BackendInfo
+from kvq_core.contract import ALL_METHODS, BackendInfo
 
 if importlib.util.find_spec("torch") is None:  # no torch: this plugin registers nothing, with the reason
     raise ModuleNotFoundError("No module named 'torch' (pip install torch)", name="torch")
 
 #: the torch array adapter, imported (with torch) on first use
-ARRAYS = "kvq_core.dispatch.arrays:TorchArrays"
+ARRAYS = "kvq_core.torch_ops.arrays:TorchArrays"
 
 #: method name -> TorchMethod subclass (lazy: a module that fails to import disables one method).
 KERNELS: dict[str, str] = {

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvq_core.dispatch.arrays import TorchArrays
+from kvq_core.torch_ops.arrays import TorchArrays
 from kvq_triton.env import interpreting
 from kvq_triton.plugin import _cuda
 

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq_core.dispatch.run import PAGED_FALLBACK, paged_kernel
-from kvq_core.dispatch.torch_kernels import consts_for
+from kvq_core.torch_ops.run import PAGED_FALLBACK, paged_kernel
+from kvq_core.torch_ops.torch_kernels import consts_for
 from kvq_core.methods.intcodes import CHANNELS, TOKENS
 from kvq_core.paged import PageLayout
 from kvq_core.spec import MethodSpec

@@ -1,7 +1,7 @@
 """Registers the ``triton`` backend through kvq's hooks.
 
 Like the torch backends (``BackendInfo.torch_ops``), every kernel call is one ``kvq::`` op
-carrying the backend name (:mod:`kvq_core.dispatch`); this plugin only registers its kernel table
+carrying the backend name (:mod:`kvq_core.torch_ops`); this plugin only registers its kernel table
 (lazy ``"module:Class"`` references to :class:`kvq_torch.common.TorchMethod` subclasses, so a
 method whose module fails to import is the only one unavailable) and answers ``supports(spec, device)``. Neither Triton
 nor the kernels are imported until a kernel runs: ``kvq list`` shows ``triton`` with the reason
@@ -17,7 +17,7 @@ import importlib
 from collections.abc import Callable
 
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import BackendInfo
+from kvq_core.contract import BackendInfo
 from kvq_core.registry import install_hint
 from kvq_core.spec import MethodSpec
 from kvq_triton.env import interpreting

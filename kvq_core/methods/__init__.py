@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import MethodInfo
+from kvq_core.contract import MethodInfo
 
 #: (name, spec class reference, one-line summary) per built-in method.
 BUILTIN_METHODS: tuple[tuple[str, str, str], ...] = (

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from kvq_core.constants import constants
-from kvq_core.dispatch.run import kernel
-from kvq_core.dispatch.torch_kernels import TorchContext, field_names
+from kvq_core.torch_ops.run import kernel
+from kvq_core.torch_ops.torch_kernels import TorchContext, field_names
 from kvq_core.layout import Field
 from kvq_core.spec import MethodSpec
 

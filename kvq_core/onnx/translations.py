@@ -19,7 +19,7 @@ from onnxscript import ir
 from onnxscript import opset18 as op
 from onnxscript.function_libs.torch_lib.ops import core as torchlib
 
-import kvq_core.dispatch.ops  # noqa: F401  (defines torch.ops.kvq.*)
+import kvq_core.torch_ops.ops  # noqa: F401  (defines torch.ops.kvq.*)
 
 UNSIGNED = frozenset({ir.DataType.UINT8, ir.DataType.UINT16, ir.DataType.UINT32, ir.DataType.UINT64})
 

@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import kvq_core  # noqa: E402
-import kvq_core.dispatch.ops  # noqa: E402,F401
+import kvq_core.torch_ops.ops  # noqa: E402,F401
 from kvq_core.paged import attend_paged_reference  # noqa: E402
 from kvq_core.testing.paged import paged_case  # noqa: E402
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_numba.gpu.common import (SLOTS, THREADS, as_float32, block_sum, device, device_function, group_params,
                                   int_code, online_update, rotate)
 

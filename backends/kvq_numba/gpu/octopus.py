@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_numba.gpu.common import (MAX_D, ROW_PAD, SLOTS, THREADS, as_float32, block_sum, device, device_function,
                                   fwht_shared, online_update, rotate, triplet_code)
 

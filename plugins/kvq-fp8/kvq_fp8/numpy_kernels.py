@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_fp8.formats import FORMATS
 from kvq_fp8.spec import Fp8Spec
 from kvq_numpy.attention import softmax_attend

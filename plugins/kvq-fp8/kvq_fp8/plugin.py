@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvq_core.hookspecs import hookimpl
-from kvq_core.kernels import MethodInfo
+from kvq_core.contract import MethodInfo
 from kvq_fp8.spec import Fp8Spec
 
 TORCH = "kvq_fp8.torch_kernels:Fp8Torch"

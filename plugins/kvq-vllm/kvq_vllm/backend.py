@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-import kvq_core.dispatch.ops  # noqa: F401  (defines the kvq:: ops)
+import kvq_core.torch_ops.ops  # noqa: F401  (defines the kvq:: ops)
 from kvq_core import registry
 from kvq_core.errors import SpecError
 from kvq_core.paged import PageLayout

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvq_core
-import kvq_core.dispatch.ops  # noqa: F401
+import kvq_core.torch_ops.ops  # noqa: F401
 from kvq_core import registry
 from kvq_core.paged import PageLayout
 

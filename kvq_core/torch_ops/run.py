@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvq_core import registry
-from kvq_core.dispatch.torch_kernels import context, field_names, spec_from_json
+from kvq_core.torch_ops.torch_kernels import context, field_names, spec_from_json
 from kvq_core.errors import BackendUnavailableError
 
 #: the backend whose paged kernels serve a backend that has none for a method (``kvq_torch.paged``)

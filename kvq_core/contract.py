@@ -73,7 +73,7 @@ class BackendInfo:
     imported on first use, so registering the backend imports nothing heavy (e.g. torch).
 
     ``torch_ops``: the kernel classes work on torch tensors with a
-    :class:`~kvq_core.dispatch.torch_kernels.TorchContext` (``kvq_torch.common.TorchMethod``
+    :class:`~kvq_core.torch_ops.torch_kernels.TorchContext` (``kvq_torch.common.TorchMethod``
     subclasses) and every call runs through the ``kvq::`` custom ops carrying this backend's
     name, so ``torch.compile`` and ``torch.export`` see one opaque node per call. False: the
     Quantizer calls the classes directly with a :class:`KernelContext`.

@@ -24,7 +24,7 @@ Consts = Mapping[str, torch.Tensor]
 
 
 class TorchContext(NamedTuple):
-    """The torch twin of :class:`kvq_core.kernels.KernelContext`: the spec, the layer, the K/V
+    """The torch twin of :class:`kvq_core.contract.KernelContext`: the spec, the layer, the K/V
     block shape ``(batch, kv_heads, tokens, head_dim)`` (ints or SymInts) and the spec's
     constants as tensors on the data's device (float32 where the core gives float32), those of
     the kv heads from global head ``head_offset`` on (a tensor-parallel rank's)."""

@@ -1,15 +1,15 @@
-"""A torch-tensor backend's :class:`~kvq_core.kernels.MethodKernels`: every call is one ``kvq::`` op
+"""A torch-tensor backend's :class:`~kvq_core.contract.MethodKernels`: every call is one ``kvq::`` op
 carrying the backend's name, so a user's ``torch.compile(fullgraph=True)`` or ``torch.export``
 over kvq calls keeps each as one opaque graph node.
 
 The Quantizer builds one for a backend whose ``BackendInfo.torch_ops`` is set, in place of the
-backend's kernel class (which the op bodies, :mod:`kvq_core.dispatch.run`, get from the registry).
+backend's kernel class (which the op bodies, :mod:`kvq_core.torch_ops.run`, get from the registry).
 torch is imported when an :class:`OpKernels` is built, not with this module."""
 from __future__ import annotations
 
 from typing import Any
 
-from kvq_core.kernels import KernelContext
+from kvq_core.contract import KernelContext
 from kvq_core.spec import MethodSpec
 
 
@@ -19,8 +19,8 @@ class OpKernels:
     def __init__(self, backend: str, spec: MethodSpec) -> None:
         import torch
 
-        import kvq_core.dispatch.ops  # noqa: F401  (defines the kvq:: ops)
-        from kvq_core.dispatch.torch_kernels import field_names
+        import kvq_core.torch_ops.ops  # noqa: F401  (defines the kvq:: ops)
+        from kvq_core.torch_ops.torch_kernels import field_names
 
         ops = torch.ops.kvq
         self.encode_op, self.decode_op, self.attend_op = ops.encode, ops.decode, ops.attend

@@ -1,7 +1,7 @@
 """Every ``kvq::`` op schema and fake kernel, and nothing else.
 
 The schemas carry the backend name, so several torch-tensor backends (torch, torch-compiled,
-triton, numba) coexist on one device; the bodies (:mod:`kvq_core.dispatch.run`) look the kernel
+triton, numba) coexist on one device; the bodies (:mod:`kvq_core.torch_ops.run`) look the kernel
 up in the registry (:mod:`kvq_core.registry`)::
 
     kvq::encode(str backend, str spec_json, int layer, str kind, Tensor x, int head_offset=0) -> Tensor[]
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from kvq_core.dispatch import run
-from kvq_core.dispatch.torch_kernels import spec_from_json
+from kvq_core.torch_ops import run
+from kvq_core.torch_ops.torch_kernels import spec_from_json
 
 NAMESPACE = "kvq"
 
