@@ -20,12 +20,15 @@ from collections.abc import Callable
 import numpy as np
 from numba.extending import register_jitable
 
+from kvq_core.layout import packed_row_bytes
 from kvq_core.math.octahedral import JOINT_NEIGHBOURS
 
 #: zero-point modes: integer (OScaR, QuaRot) and the group minimum (KIVI); kvq_numpy.intquant.
 ZERO_INTEGER, ZERO_MIN = 0, 1
 #: the joint rounding's (xi, eta) index offsets as a compile-time constant array
 NEIGHBOURS = np.array(JOINT_NEIGHBOURS, np.int64)
+#: bytes of a packed row of ``count`` codes of ``bits`` (the core's bit rule), callable from ``@njit`` code
+row_bytes = register_jitable(packed_row_bytes)
 #: round half to even, float32 -> float32 (the CPU target's; for_target swaps in another target's)
 rint = np.rint
 

@@ -23,6 +23,7 @@ from kvq_numba.arrays import as_float32
 from kvq_numba.cpu import octopus as cpu_octopus
 from kvq_numba.cpu.common import fwht_heads, pack_row, sum_squares
 from kvq_numba.octopus import OctopusNumba
+from kvq_numba.rules import row_bytes
 
 Fields = dict[str, Any]
 
@@ -33,7 +34,7 @@ def coord_codes(v, n, thresholds, codebook, bits, norm_correction):
     [b, h, t, d] with norms ``n``: each coordinate's codebook index (thresholds at or below it),
     packed; the norm divided by ``||c[idx]||`` under ``norm_correction``."""
     nb, nh, nt, d = v.shape
-    codes = np.zeros((nb, nh, nt, (d * bits + 7) // 8), np.uint8)
+    codes = np.zeros((nb, nh, nt, row_bytes(d, bits)), np.uint8)
     norm = np.empty((nb, nh, nt), np.float32)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu.common import half_to_float, pack_row, unpack_rows
-from kvq_numba.rules import group_params, int_code
+from kvq_numba.rules import group_params, int_code, row_bytes
 
 @njit(parallel=True, cache=True)
 def encode_token_groups(x, bits, group, zero_mode):
@@ -23,7 +23,7 @@ def encode_token_groups(x, bits, group, zero_mode):
     """
     nb, nh, nt, d = x.shape
     ng = (nt + group - 1) // group
-    nbytes = (d * bits + 7) // 8
+    nbytes = row_bytes(d, bits)
     levels = np.float32((1 << bits) - 1)
     codes = np.zeros((nb, nh, nt, nbytes), np.uint8)
     scale = np.empty((nb, nh, ng, d), np.float32)
@@ -64,7 +64,7 @@ def encode_channel_groups(x, bits, group, zero_mode):
     """
     nb, nh, nt, d = x.shape
     ng = d // group
-    nbytes = (d * bits + 7) // 8
+    nbytes = row_bytes(d, bits)
     levels = np.float32((1 << bits) - 1)
     codes = np.zeros((nb, nh, nt, nbytes), np.uint8)
     scale = np.empty((nb, nh, nt, ng), np.float32)

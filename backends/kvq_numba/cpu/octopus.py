@@ -15,7 +15,7 @@ from numba import njit, prange
 
 from kvq_numba.cpu.common import CHUNK, fwht_heads, pack_row, sum_squares
 from kvq_numba.cpu.simd import move4
-from kvq_numba.rules import NEIGHBOURS, sgn
+from kvq_numba.rules import NEIGHBOURS, row_bytes, sgn
 
 def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
     """Codes uint8 [b, h, t, row_bytes] and norms gamma float32 [b, h, t] of C-contiguous float32
@@ -57,7 +57,7 @@ def _triplet_codes(v, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bi
     """Packed triplet codes uint8 [b, h, t, row_bytes] of rotated unit rows v [b, h, t, d] (:func:`code_row`)."""
     nb, nh, nt, d = v.shape
     ntrip = (d + 2) // 3
-    codes = np.zeros((nb, nh, nt, (ntrip * bits + 7) // 8), np.uint8)
+    codes = np.zeros((nb, nh, nt, row_bytes(ntrip, bits)), np.uint8)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
         fs, js = code_scratch(d)

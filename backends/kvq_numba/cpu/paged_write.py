@@ -17,6 +17,7 @@ from numba import njit, prange
 
 from kvq_numba.cpu import octopus
 from kvq_numba.cpu.common import fwht_block
+from kvq_numba.rules import row_bytes
 
 #: descriptor columns of a field: its stripe, its first byte in a row, its bytes per row, its source row's bytes
 STRIPE, START, WIDTH, NBYTES = range(4)
@@ -78,7 +79,7 @@ def _write_octopus(key, value, vhalf, slots, signs, inv_sqrt_d, xi_th, eta_th, r
     fp16 = vhalf.shape[0] > 0
     coded = heads if fp16 else 2 * heads  # rows encoded per token: K (and V) of every head
     block_tokens = pages.shape[2]
-    nbytes = ((d + 2) // 3 * bits + 7) // 8
+    nbytes = row_bytes((d + 2) // 3, bits)
     for chunk in prange((n + CHUNK_TOKENS - 1) // CHUNK_TOKENS):
         t0 = chunk * CHUNK_TOKENS
         m = min(CHUNK_TOKENS, n - t0)

@@ -10,6 +10,7 @@ import numpy as np
 from numba import cuda
 
 from kvq_core.contract import KernelContext
+from kvq_core.layout import packed_row_bytes
 from kvq_numba.gpu.common import (MAX_D, ROW_PAD, SLOTS, THREADS, as_float32, block_sum, device, device_function,
                                   fwht_shared, online_update, rotate, triplet_code)
 
@@ -158,7 +159,7 @@ class OctopusCuda:
         c = self._dev(consts)
         xd = as_float32(x)
         nb, nh, nt, d = xd.shape
-        codes = cuda.to_device(np.zeros((nb, nh, nt, (s.n_triplets * s.triplet_bits + 7) // 8), np.uint8))
+        codes = cuda.to_device(np.zeros((nb, nh, nt, packed_row_bytes(s.n_triplets, s.triplet_bits)), np.uint8))
         gamma = cuda.device_array((nb, nh, nt), np.float32)
         _encode[nb * nh * nt, THREADS](xd, c["signs"], self.p.inv_sqrt_d, c["xi_thresholds"], c["eta_thresholds"],
                                         c["rho_thresholds"], c["directions"], c["n_xi"], c["n_eta"], s.eta_bits,
