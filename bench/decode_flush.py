@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from kvq_core.eval.model import load_model
-    from kvq_core.eval.text import load_text
-    from kvq_core.hf import KVQCache
+    from kvq_core.tools.eval.model import load_model
+    from kvq_core.tools.eval.text import load_text
+    from kvq_core.integrations.hf import KVQCache
 
     model, tok, info = load_model(None, attn_implementation="kvq", threads=args.threads)
     text, _ = load_text(None, None)

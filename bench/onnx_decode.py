@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvq_core import get_quantizer
-    from kvq_core.eval.model import load_model
-    from kvq_core.eval.text import load_text
-    from kvq_core.onnx import export
+    from kvq_core.tools.eval.model import load_model
+    from kvq_core.tools.eval.text import load_text
+    from kvq_core.integrations.onnx import export
     from kvq_core.packed import PackedKV
     from kvq_core.tokens import concat_tokens
 

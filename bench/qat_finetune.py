@@ -2,7 +2,7 @@
 
 SmolLM2-135M is briefly fine-tuned on WikiText-2 text three times from the same weights, with the
 same batches and budget: without fake quantization (``plain``), and with K/V fake-quantized
-(``attn_implementation="kvq-qat"``, :mod:`kvq_core.hf.qat`) as OScaR INT2 and as OCTOPUS b=2
+(``attn_implementation="kvq-qat"``, :mod:`kvq_core.integrations.hf.qat`) as OScaR INT2 and as OCTOPUS b=2
 caches store them. The base model and each fine-tune are then evaluated on held-out text through
 the *real* caches (``DynamicCache``, OScaR-2, OCTOPUS-2; ``kvq eval ppl``'s protocol: prefix
 prefilled through the cache, scored tokens teacher-forced in the cache's flush blocks with each
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvq_core.results import out_help, results_dir
+from kvq_core.tools.results import out_help, results_dir
 
 CODECS = {"oscar": "oscar:bits=2", "octopus": "octopus:bits=2"}
 T0 = time.perf_counter()
@@ -64,7 +64,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     import torch
 
     if not args.quick:
-        from kvq_core.eval.model import load_model
+        from kvq_core.tools.eval.model import load_model
 
         return load_model(args.model, attn_implementation="sdpa", threads=args.threads)
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -90,7 +90,7 @@ def fine_tune(model: Any, data: list[Any], lr: float, codec: str | None, setting
     """AdamW over every weight on ``data``; K/V fake-quantized as ``codec``'s cache stores them (None: plain)."""
     import torch
 
-    from kvq_core.hf import qat
+    from kvq_core.integrations.hf import qat
 
     if codec is None:
         model.set_attn_implementation("sdpa")
@@ -119,8 +119,8 @@ def evaluate(model: Any, tok: Any, held_ids: Any, builder: Any, configs: list[An
     import torch
     from transformers import DynamicCache
 
-    from kvq_core.eval.niah import answer_ok, run_cell
-    from kvq_core.eval.ppl import score_window
+    from kvq_core.tools.eval.niah import answer_ok, run_cell
+    from kvq_core.tools.eval.ppl import score_window
 
     length = args.prefix + args.score + 1
     count = min(args.windows, held_ids.shape[1] // length)
@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         args.backend = "torch" if args.backend == "auto" else args.backend
     import torch
 
-    import kvq_core.hf  # noqa: F401  (registers attn_implementation "kvq" and "kvq-qat")
-    from kvq_core.eval.caches import parse_config
-    from kvq_core.eval.text import load_text, split_text
+    import kvq_core.integrations.hf  # noqa: F401  (registers attn_implementation "kvq" and "kvq-qat")
+    from kvq_core.tools.eval.caches import parse_config
+    from kvq_core.tools.eval.text import load_text, split_text
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [parse_config("fp")] + [parse_config(CODECS[m] + extra) for m in args.codecs]
     labels = {m: c.label for m, c in zip(args.codecs, configs[1:])}
     data_batches = batches(train_ids, args.steps, args.batch, args.seq, args.seed)
-    from kvq_core.eval.niah import PromptBuilder
+    from kvq_core.tools.eval.niah import PromptBuilder
 
     builder = PromptBuilder(tok, "wikitext", held_text) if args.recall_prompts else None  # passkey prompts
     log("passkey prompt builder ready")

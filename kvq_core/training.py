@@ -26,7 +26,7 @@ Float16 side fields (scales, offsets, radii) overflow for ``|x|`` past 65504: an
 under ``torch.compile`` the check is skipped like every data-dependent check.
 
 :func:`fake_quant_attention` is the attention a model trained for a kvq cache needs: each query
-position reads, exactly as decoding token by token through :class:`kvq_core.hf.KVQCache` (and
+position reads, exactly as decoding token by token through :class:`kvq_core.integrations.hf.KVQCache` (and
 ``kvq eval ppl``'s ``chunks="decode"``), the recent tokens of the exact window at full precision
 and every older token fake-quantized:
 
@@ -52,7 +52,7 @@ from kvq_core.api import Quantizer
 from kvq_core.errors import InputError
 from kvq_core.tokens import token_separable
 
-FLUSH_MODES = ("block", "sliding")  # kvq_core.hf.flush's (this module needs no transformers)
+FLUSH_MODES = ("block", "sliding")  # kvq_core.integrations.hf.flush's (this module needs no transformers)
 
 
 def exact_start(positions: torch.Tensor, residual: int, flush: str) -> torch.Tensor:

@@ -22,9 +22,9 @@ pytest.importorskip("accelerate")
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_gguf import load_tiny_llama  # noqa: E402
 
-from kvq_core import cli  # noqa: E402
-from kvq_core.bench import decode  # noqa: E402
-from kvq_core.eval.model import default_model_path  # noqa: E402
+from kvq_core.tools import cli  # noqa: E402
+from kvq_core.tools.bench import decode  # noqa: E402
+from kvq_core.tools.eval.model import default_model_path  # noqa: E402
 
 PARTS = ("encode", "cache", "attention", "other")
 
@@ -39,14 +39,14 @@ def tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     model = load_tiny_llama(tmp_path)
 
     def load_model(name, attn_implementation=None, threads=None):
-        from kvq_core.hf import register
+        from kvq_core.integrations.hf import register
 
         register()
         model.set_attn_implementation(attn_implementation)
         info = {"name": "tiny-llama", "layers": 2, "kv_heads": 2, "head_dim": 16, "q_heads": 4}
         return model, _byte_tokenizer, info
 
-    monkeypatch.setattr("kvq_core.eval.model.load_model", load_model)
+    monkeypatch.setattr("kvq_core.tools.eval.model.load_model", load_model)
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     return text

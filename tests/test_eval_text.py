@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvq_core import cli
-from kvq_core.eval import text
+from kvq_core.tools import cli
+from kvq_core.tools.eval import text
 
 SHARED = next((p / "shared" / "data" / text.DEFAULT_FILE for p in Path(__file__).resolve().parents
                if (p / "shared" / "data" / text.DEFAULT_FILE).is_file()), None)

@@ -17,7 +17,7 @@ import kvq_core  # noqa: E402
 from kvq_core import registry  # noqa: E402
 from kvq_core.constants import constants  # noqa: E402
 from kvq_core.errors import BackendUnavailableError, InputError  # noqa: E402
-from kvq_core.synthetic import make_kv  # noqa: E402
+from kvq_core.tools.synthetic import make_kv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["fp16", "kivi", "octopus", "oscar", "polarquant", "qjl", "quarot", "turboquant", "turboquant_prod"]

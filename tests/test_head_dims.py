@@ -102,7 +102,7 @@ def test_channel_groups_follow_head_dim() -> None:
 
 
 def test_fidelity_bench_reports_the_rotation_cost_at_96(tmp_path) -> None:
-    from kvq_core.bench import fidelity
+    from kvq_core.tools.bench import fidelity
 
     fidelity.main(["--tokens", "64", "--kv-heads", "2", "--head-dims", "96", "128", "--bits", "2", "--no-plot",
                    "--out", str(tmp_path)])

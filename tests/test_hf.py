@@ -22,7 +22,7 @@ from tiny_gguf import load_tiny_llama  # noqa: E402
 
 import kvq_core  # noqa: E402
 from kvq_core.errors import InputError, KVQError, SpecError  # noqa: E402
-from kvq_core.hf import KVQCache, KVQLayer, dynamic_cache_nbytes, merge_attention, register  # noqa: E402
+from kvq_core.integrations.hf import KVQCache, KVQLayer, dynamic_cache_nbytes, merge_attention, register  # noqa: E402
 
 from transformers import DynamicCache  # noqa: E402
 
@@ -278,7 +278,7 @@ def test_memory_accounting(model):
 def test_a_decoded_copy_warns_once_with_why_and_the_fix(model):
     """The memory saving silently lost in dequant mode (issue #27): one warning per cache, naming
     the model's attention implementation and attn_implementation='kvq'; codes mode warns nothing."""
-    from kvq_core.hf import KVQMemoryWarning
+    from kvq_core.integrations.hf import KVQMemoryWarning
 
     _attn(model, "sdpa")
     cache = KVQCache(model.config, "oscar", bits=2, residual=16)
@@ -413,7 +413,7 @@ def test_sliding_stride_changes_nothing_attention_sees(model, stride):
 def test_codes_mode_decodes_a_block_encoded_ahead_once(model, monkeypatch):
     """Codes mode reads the tokens a stride encoded ahead decoded until the window passes them:
     each such block is decoded once (kept, and reported in decoded_bytes), not at every step."""
-    from kvq_core.hf.layer import KVQLayer
+    from kvq_core.integrations.hf.layer import KVQLayer
 
     counts = {"decode": 0, "commit": 0}
     decode_pair, commit = KVQLayer.decode_pair, KVQLayer._commit
@@ -505,7 +505,7 @@ def test_codes_mode_without_kvq_attention_is_caught(model):
 # -- evaluation helpers ---------------------------------------------------------------------------
 @pytest.mark.parametrize("attn", ["sdpa", "kvq"])
 def test_shared_prefill_equals_real_prefill(model, attn):
-    from kvq_core.eval.caches import build_cache, parse_config, populate
+    from kvq_core.tools.eval.caches import build_cache, parse_config, populate
 
     _attn(model, attn)
     ids = _ids(48, seed=6)
@@ -526,8 +526,8 @@ def test_shared_prefill_equals_real_prefill(model, attn):
 
 
 def test_eval_config_parsing_and_chunks(model):
-    from kvq_core.eval.caches import build_cache, parse_config, stored
-    from kvq_core.eval.ppl import chunk_plan, token_elements, window_starts
+    from kvq_core.tools.eval.caches import build_cache, parse_config, stored
+    from kvq_core.tools.eval.ppl import chunk_plan, token_elements, window_starts
 
     cfg = parse_config("oscar:bits=3,v.bits=2,residual=16,fp_layers=0;-1,label=mine")
     assert (cfg.label, cfg.kind, cfg.params, cfg.value_params) == ("mine", "kvq", {"bits": 3}, {"bits": 2})
@@ -548,15 +548,15 @@ def test_eval_config_parsing_and_chunks(model):
 
 
 def test_niah_answer_check():
-    from kvq_core.eval.niah import answer_ok
+    from kvq_core.tools.eval.niah import answer_ok
 
     assert answer_ok(" 71432. Remember", "71432")
     assert not answer_ok(" 7143", "71432") and not answer_ok(" none", "71432")
 
 
 def test_ppl_kl_against_the_fp_reference(model):
-    from kvq_core.eval.caches import parse_config
-    from kvq_core.eval.ppl import score_window
+    from kvq_core.tools.eval.caches import parse_config
+    from kvq_core.tools.eval.ppl import score_window
 
     ids = _ids(49, seed=8)
     fp = parse_config("fp")
@@ -576,8 +576,8 @@ def test_ppl_sliding_chunks_score_as_token_by_token_decoding(model):
     """A sliding cache scored in chunks through the kvq attention function gives the NLL of
     scoring it one token per step (what sdpa falls back to), and less exact context than a
     plain chunked forward would give."""
-    from kvq_core.eval.caches import build_cache, parse_config
-    from kvq_core.eval.ppl import chunk_plan, score_window
+    from kvq_core.tools.eval.caches import build_cache, parse_config
+    from kvq_core.tools.eval.ppl import chunk_plan, score_window
 
     ids = _ids(61, seed=9)
     cfg = parse_config("octopus:bits=2,residual=6")
@@ -597,8 +597,8 @@ def test_ppl_sliding_chunks_score_as_token_by_token_decoding(model):
 
 
 def test_seed_expansion_and_group_summary():
-    from kvq_core.eval.caches import expand_seeds, parse_config
-    from kvq_core.eval.ppl import summarize, summarize_groups
+    from kvq_core.tools.eval.caches import expand_seeds, parse_config
+    from kvq_core.tools.eval.ppl import summarize, summarize_groups
 
     cfgs = [parse_config(t) for t in ("fp", "octopus:bits=3", "oscar:bits=2", "turboquant:bits=3,seed=5",
                                       "turboquant:bits=3,value_method=octopus,v.bits=2,label=tq")]
@@ -639,7 +639,7 @@ def test_niah_multikey_prompt(form):
     import random
     import re
 
-    from kvq_core.eval.niah import INTRO, PromptBuilder
+    from kvq_core.tools.eval.niah import INTRO, PromptBuilder
 
     hay = " ".join(f"Sentence {i} of the haystack talks about nothing in particular." for i in range(400))
     tok = _byte_tokenizer(hay)
@@ -662,7 +662,7 @@ def test_niah_multikey_prompt(form):
 
 
 def test_niah_comparison_with_fp():
-    from kvq_core.eval.report import mcnemar_p, niah_vs_fp
+    from kvq_core.tools.eval.report import mcnemar_p, niah_vs_fp
 
     assert mcnemar_p(0, 0) == 1.0 and mcnemar_p(2, 0) == 0.5 and mcnemar_p(5, 0) == pytest.approx(0.0625)
     assert mcnemar_p(3, 1) == mcnemar_p(1, 3) == pytest.approx(0.625)
@@ -684,9 +684,9 @@ def test_eval_reports_are_written(tmp_path):
     import json
 
     pytest.importorskip("matplotlib")
-    from kvq_core.eval.caches import expand_seeds, parse_config
-    from kvq_core.eval.ppl import summarize, summarize_groups
-    from kvq_core.eval.report import write_niah_report, write_ppl_report
+    from kvq_core.tools.eval.caches import expand_seeds, parse_config
+    from kvq_core.tools.eval.ppl import summarize, summarize_groups
+    from kvq_core.tools.eval.report import write_niah_report, write_ppl_report
 
     cfgs = expand_seeds([parse_config("fp"), parse_config("octopus:bits=3")], [0, 1])
     runs = [{"label": c.label, "window": 8, "nll": 100.0 + i, "tokens": 50, "kl": None if i == 0 else 0.5 * i,

@@ -1,4 +1,4 @@
-"""The flush policy of a KVQLayer as plain integers (:mod:`kvq_core.hf.flush`): which tokens each
+"""The flush policy of a KVQLayer as plain integers (:mod:`kvq_core.integrations.hf.flush`): which tokens each
 step packs, what the window keeps, which blocks join, how a crop cuts. No torch here: an integer
 model of the layer's update runs the same functions the layer calls."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq_core.errors import KVQError
-from kvq_core.hf.flush import JOIN_RATIO, blocks_before, encode_range, join_range, plan_crop, window_drop
+from kvq_core.integrations.hf.flush import JOIN_RATIO, blocks_before, encode_range, join_range, plan_crop, window_drop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,14 +208,14 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
         return None
 sys.meta_path.insert(0, Block())
-for name, sub in (("kvq_core", "kvq_core"), ("kvq_core.hf", "kvq_core/hf")):  # skip the packages' __init__
+for name, sub in (("kvq_core", "kvq_core"), ("kvq_core.integrations.hf", "kvq_core/integrations/hf")):  # skip the packages' __init__
     pkg = types.ModuleType(name)
     pkg.__path__ = [sys.argv[1] + "/" + sub]
     sys.modules[name] = pkg
 '''
 
 
-@pytest.mark.parametrize("module", ["kvq_core.hf.flush", "kvq_core.hf.window"])
+@pytest.mark.parametrize("module", ["kvq_core.integrations.hf.flush", "kvq_core.integrations.hf.window"])
 def test_plain_integer_modules_import_no_torch_or_numpy(module: str) -> None:
     """The policy modules load and run with torch, numpy and transformers unimportable."""
     code = BLOCKER + textwrap.dedent(f'''

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_gguf import load_tiny_llama  # noqa: E402
 
 from kvq_core.api import Quantizer  # noqa: E402
-from kvq_core.hf import KVQCache, register  # noqa: E402
-from kvq_core.hf import attention as kvq_attention  # noqa: E402
+from kvq_core.integrations.hf import KVQCache, register  # noqa: E402
+from kvq_core.integrations.hf import attention as kvq_attention  # noqa: E402
 
 from transformers import DynamicCache  # noqa: E402
 

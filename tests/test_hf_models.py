@@ -23,7 +23,7 @@ from tiny_models import SLIDING_WINDOW, build, configs  # noqa: E402
 
 import kvq_core  # noqa: E402
 from kvq_core.errors import InputError  # noqa: E402
-from kvq_core.hf import KVQCache, KVQMemoryWarning  # noqa: E402
+from kvq_core.integrations.hf import KVQCache, KVQMemoryWarning  # noqa: E402
 
 from transformers import DynamicCache  # noqa: E402
 
@@ -184,13 +184,13 @@ def test_mla_refuses_codes_attention_and_names_mla():
 def test_importing_kvq_core_hf_registers_the_attention_function():
     import importlib
 
-    import kvq_core.hf
+    import kvq_core.integrations.hf
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     for mapping in (AttentionInterface._global_mapping, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping):
         mapping.pop("kvq", None)
-    importlib.reload(kvq_core.hf)  # what a first `import kvq_core.hf` runs
+    importlib.reload(kvq_core.integrations.hf)  # what a first `import kvq_core.integrations.hf` runs
     assert "kvq" in AttentionInterface._global_mapping and "kvq" in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
 
 

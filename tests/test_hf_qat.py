@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import tiny_models  # noqa: E402
 import kvq_core  # noqa: E402
 from kvq_core.errors import InputError, KVQError  # noqa: E402
-from kvq_core.hf import qat  # noqa: E402
+from kvq_core.integrations.hf import qat  # noqa: E402
 from kvq_core.training import exact_start, fake_quant_attention, fake_quant_kv  # noqa: E402
 
 

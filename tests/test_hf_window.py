@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvq_core.hf.window import Eviction, plan_eviction, view_start
+from kvq_core.integrations.hf.window import Eviction, plan_eviction, view_start
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -42,7 +42,7 @@ def test_fp16_layer_matches_dynamic_sliding_window_layer(flush, residual, window
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     from kvq_core import make_spec
-    from kvq_core.hf import KVQLayer
+    from kvq_core.integrations.hf import KVQLayer
 
     spec = make_spec("fp16", head_dim=16, storage="float32")
     ours = KVQLayer(spec, spec, layer_idx=0, backend="numpy", residual=residual, flush=flush, sliding_window=window,

@@ -154,7 +154,7 @@ def test_without_an_extra_the_core_still_works(blocked: str) -> None:
 
 
 def test_cli_list_works_without_torch_and_names_why() -> None:
-    code = PRELUDE.format(blocked=["torch"]) + "from kvq_core.cli import main\nmain(['list'])\n"
+    code = PRELUDE.format(blocked=["torch"]) + "from kvq_core.tools.cli import main\nmain(['list'])\n"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends")]), "KVQ_DISABLE_PLUGINS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr

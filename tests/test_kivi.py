@@ -9,7 +9,7 @@ import pytest
 
 import kvq_core
 from kvq_core.methods.kivi import KiviSpec
-from kvq_core.synthetic import make_kv
+from kvq_core.tools.synthetic import make_kv
 
 D, G = 128, 32
 

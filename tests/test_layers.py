@@ -28,14 +28,9 @@ RANKS = {
     "kvq_core.torch_ops": 6,  # the kvq:: ops a Quantizer on a torch_ops backend calls
     "kvq_core.validate": 7,
     "kvq_core.api": 7,
-    "kvq_core": 8,  # integrations: hf (transformers), onnx, paged (serving engines), training, testing, plan, ...
-    # tools, on top: what the ``kvq`` command runs
-    "kvq_core.bench": 9,
-    "kvq_core.eval": 9,
-    "kvq_core.tune": 9,
-    "kvq_core.warmup": 9,
-    "kvq_core.demo": 9,
-    "kvq_core.cli": 9,
+    "kvq_core": 8,  # library modules above the API: paged (serving engines), training, plan, testing
+    "kvq_core.integrations": 9,  # hf (transformers), onnx
+    "kvq_core.tools": 10,  # on top: what the ``kvq`` command runs (bench, eval, tune, warmup, demo, cli)
 }
 
 

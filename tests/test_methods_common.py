@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import kvq_core
-from kvq_core.metrics import attention, logits
+from kvq_core.tools.metrics import attention, logits
 from kvq_core.packed import PackedKV
-from kvq_core.synthetic import make_kv, make_queries
+from kvq_core.tools.synthetic import make_kv, make_queries
 
 D = 128
 CONFIGS = [

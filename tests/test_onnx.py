@@ -1,4 +1,4 @@
-"""ONNX export (kvq_core.onnx): onnxruntime (CPU) against the NumPy reference.
+"""ONNX export (kvq_core.integrations.onnx): onnxruntime (CPU) against the NumPy reference.
 
 Graphs are exported at batch 2 and a token count above two groups (131 or 259) and run at
 batch 3, tokens 45 and 301 and q_len 1 (a decode step), GQA 4 (kv_heads 2, q_heads 8). Every
@@ -18,12 +18,12 @@ ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from kvq_core import get_quantizer  # noqa: E402
-from kvq_core.cli import main as kvq_main  # noqa: E402
+from kvq_core.tools.cli import main as kvq_main  # noqa: E402
 from kvq_core.errors import ExportError  # noqa: E402
 from kvq_core.layout import unpack_codes  # noqa: E402
-from kvq_core.onnx import GRAPHS, MIN_OPSET, export  # noqa: E402
-from kvq_core.onnx.exporter import to_onnx  # noqa: E402
-from kvq_core.onnx.graphs import GraphIO, example_tokens  # noqa: E402
+from kvq_core.integrations.onnx import GRAPHS, MIN_OPSET, export  # noqa: E402
+from kvq_core.integrations.onnx.exporter import to_onnx  # noqa: E402
+from kvq_core.integrations.onnx.graphs import GraphIO, example_tokens  # noqa: E402
 from kvq_core.packed import PackedKV  # noqa: E402
 from kvq_core.testing import FIELD_RTOL, TIE_RTOL, TIE_RUNS, attend_tolerance, decode_tolerance  # noqa: E402
 
@@ -240,7 +240,7 @@ def test_cli_names_the_missing_extra(tmp_path):
         "        if name.split('.')[0] == 'onnxscript':\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from kvq_core.cli import main\n"
+        "from kvq_core.tools.cli import main\n"
         f"sys.exit(main(['export', 'onnx', 'kivi', '--graph', 'attend', '-o', {str(tmp_path / 'x.onnx')!r}, '--kv-heads', '2']))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "backends")])}

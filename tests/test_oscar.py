@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import kvq_core
 from kvq_core.math.hadamard import fwht, sylvester_hadamard
 from kvq_core.methods.oscar import OscarSpec
-from kvq_core.synthetic import SINK_TOKENS, make_kv, make_queries, token_scales
+from kvq_core.tools.synthetic import SINK_TOKENS, make_kv, make_queries, token_scales
 from kvq_numpy.attention import softmax_attend
 from kvq_numpy.intcodes import token_norms
 

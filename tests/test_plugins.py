@@ -145,7 +145,7 @@ def _kvq_list(site: Path) -> tuple[dict, str]:
     """``kvq list --json`` and ``kvq list`` in one fresh interpreter with ``site`` on the path."""
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), str(ROOT / "backends")])}
     environ.pop(registry.DISABLE_ENV, None)
-    code = "from kvq_core.cli import main; main(['list', '--json']); print('=' * 8); main(['list'])"
+    code = "from kvq_core.tools.cli import main; main(['list', '--json']); print('=' * 8); main(['list'])"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=300)
     assert proc.returncode == 0, proc.stderr
     listing, text = proc.stdout.split("=" * 8 + "\n")

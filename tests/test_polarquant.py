@@ -13,7 +13,7 @@ from kvq_core.math.codebooks import polar_angle_codebook
 from kvq_core.math.hadamard import sylvester_hadamard
 from kvq_core.math.signs import random_signs
 from kvq_core.methods.polarquant import PolarQuantSpec
-from kvq_core.synthetic import make_kv
+from kvq_core.tools.synthetic import make_kv
 
 D = 128
 

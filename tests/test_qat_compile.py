@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 pytest.importorskip("transformers")
 
 import tiny_models  # noqa: E402
-from kvq_core.hf import qat  # noqa: E402
+from kvq_core.integrations.hf import qat  # noqa: E402
 
 pytestmark = pytest.mark.compile
 

@@ -9,7 +9,7 @@ import pytest
 
 import kvq_core
 from kvq_core.methods.quarot import QuaRotSpec
-from kvq_core.synthetic import make_kv
+from kvq_core.tools.synthetic import make_kv
 
 D = 128
 

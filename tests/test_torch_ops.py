@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import kvq_core  # noqa: E402
-from kvq_core.synthetic import make_kv, make_queries  # noqa: E402
+from kvq_core.tools.synthetic import make_kv, make_queries  # noqa: E402
 from kvq_core.torch_ops import ops  # noqa: E402
 from kvq_core.torch_ops.arrays import TorchArrays  # noqa: E402
 

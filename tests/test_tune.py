@@ -16,7 +16,7 @@ pytest.importorskip("tqdm")
 
 from kvq_core.errors import InputError, PlanError  # noqa: E402
 from kvq_core.plan import PLAN_VERSION, cache_bits, load_plan, slot_bits, write_plan  # noqa: E402
-from kvq_core.tune import KINDS, TableCache, allocate, tune  # noqa: E402
+from kvq_core.tools.tune import KINDS, TableCache, allocate, tune  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny_models  # noqa: E402
@@ -27,7 +27,7 @@ OPTIONS = [{"bits": 2}, {"bits": 3}]
 
 @pytest.fixture(scope="module")
 def model():
-    from kvq_core.hf import register
+    from kvq_core.integrations.hf import register
 
     register()
     return tiny_models.build("llama", attn="kvq")
@@ -68,7 +68,7 @@ def test_plan_round_trip_records_what_it_was_tuned_for(planned, model) -> None:
 
 
 def test_from_plan_equals_the_explicit_cache(planned, model, ids) -> None:
-    from kvq_core.hf import KVQCache
+    from kvq_core.integrations.hf import KVQCache
 
     plan, path, _ = planned
     a, b = KVQCache.from_plan(model.config, path), KVQCache(model.config, **plan["cache"])
@@ -84,9 +84,9 @@ def test_from_plan_equals_the_explicit_cache(planned, model, ids) -> None:
 
 def test_plan_bits_are_what_the_cache_stores(planned, model, ids) -> None:
     """The plan's true bits at its context equal the stored bits of its cache holding that many tokens."""
-    from kvq_core.eval.caches import CacheConfig, steady_bits
-    from kvq_core.eval.ppl import token_elements
-    from kvq_core.hf import KVQCache
+    from kvq_core.tools.eval.caches import CacheConfig, steady_bits
+    from kvq_core.tools.eval.ppl import token_elements
+    from kvq_core.integrations.hf import KVQCache
 
     plan, path, _ = planned
     cache = KVQCache.from_plan(model.config, path)
@@ -100,7 +100,7 @@ def test_plan_bits_are_what_the_cache_stores(planned, model, ids) -> None:
 def test_a_plan_for_another_model_or_a_newer_format_is_refused(planned, tmp_path) -> None:
     import transformers as tf
 
-    from kvq_core.hf import KVQCache
+    from kvq_core.integrations.hf import KVQCache
 
     plan, path, _ = planned
     deeper = tf.LlamaConfig(**{**tiny_models.SMALL, **tiny_models.COMMON, "num_hidden_layers": 3})
@@ -161,7 +161,7 @@ def test_allocate_spends_bits_where_they_buy_the_most() -> None:
 
 
 def test_value_layer_params_set_one_layers_value_codec(model) -> None:
-    from kvq_core.hf import KVQCache
+    from kvq_core.integrations.hf import KVQCache
 
     cache = KVQCache(model.config, "turboquant", bits=2, layer_params={1: {"bits": 3}}, value_layer_params={1: {"bits": 4}})
     (a, b) = cache.kvq_layers
@@ -171,7 +171,7 @@ def test_value_layer_params_set_one_layers_value_codec(model) -> None:
 
 
 def test_an_eval_config_names_a_plan(planned) -> None:
-    from kvq_core.eval.caches import parse_config
+    from kvq_core.tools.eval.caches import parse_config
 
     _, path, _ = planned
     cfg = parse_config(f"plan:path={path},label=tuned")
@@ -181,7 +181,7 @@ def test_an_eval_config_names_a_plan(planned) -> None:
 
 
 def test_a_layer_may_name_another_method_for_its_keys_or_values(model) -> None:
-    from kvq_core.hf import KVQCache
+    from kvq_core.integrations.hf import KVQCache
 
     cache = KVQCache(model.config, "turboquant", bits=2, norm_correction=True,
                      layer_params={1: {"method": "octopus", "bits": 3}},
@@ -197,9 +197,9 @@ def test_options_may_name_another_method_and_the_plan_holds_the_budget(model, id
     """A search over TurboQuant bits and OCTOPUS b=2 (another method, its own parameters): every
     slot gets one of them, the plan's cache builds each slot's codec, and its true bits are what
     that cache stores."""
-    from kvq_core.eval.caches import CacheConfig, steady_bits
-    from kvq_core.eval.ppl import token_elements
-    from kvq_core.hf import KVQCache
+    from kvq_core.tools.eval.caches import CacheConfig, steady_bits
+    from kvq_core.tools.eval.ppl import token_elements
+    from kvq_core.integrations.hf import KVQCache
 
     # at these tiny dims OCTOPUS b=2 costs 5.02 bits per element and TurboQuant b=4 5.52: 5.3 mixes them
     options = [{"bits": 4}, {"method": "octopus", "bits": 2}]
@@ -239,7 +239,7 @@ def test_slots_may_stay_exact_and_a_layer_exact_in_both_is_an_exact_layer(model,
     """With keys and values allowed to stay exact, a budget of 16 bits keeps everything exact (every layer in
     ``fp_layers``); just below it, the cheapest quantized slot is the one given up, and an exact
     value slot beside quantized keys is stored by the fp16 codec, its bits counted as 16."""
-    from kvq_core.hf import KVQCache
+    from kvq_core.integrations.hf import KVQCache
     from kvq_core.plan import model_identity
 
     full = _tune(model, ids, 16.0, tmp_path, exact=KINDS)

@@ -274,7 +274,7 @@ def _cache(attention: str):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from tiny_models import configs
 
-    from kvq_core.hf import KVQCache
+    from kvq_core.integrations.hf import KVQCache
 
     config = configs()["llama"]  # 2 layers, 2 KV heads, head_dim 16
     return KVQCache(config, "kivi", backend="numpy", bits=2, group=4, residual=4, attention=attention)
@@ -290,7 +290,7 @@ def _step_inputs(n_steps: int, tokens: int = 3):
 def _run_step(cache, step, attention: str):
     """One forward's layer updates (and, in codes mode, the "kvq" attention function on each)."""
     torch = pytest.importorskip("torch")
-    from kvq_core.hf.attention import kvq_attention
+    from kvq_core.integrations.hf.attention import kvq_attention
 
     outs = []
     for i, (k, v, q) in enumerate(step):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvq_core.cli import main
-from kvq_core.warmup import parse_method
+from kvq_core.tools.cli import main
+from kvq_core.tools.warmup import parse_method
 
 
 def test_parse_method_reads_typed_parameters() -> None:

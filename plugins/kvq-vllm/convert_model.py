@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from kvq_core.eval.model import load_model
+from kvq_core.tools.eval.model import load_model
 
 
 def convert(out: Path) -> Path:

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 import kvq_core  # noqa: E402
-from kvq_core.synthetic import make_kv  # noqa: E402
+from kvq_core.tools.synthetic import make_kv  # noqa: E402
 
 
 @pytest.mark.parametrize("method", ["kivi", "octopus", "oscar", "turboquant"])

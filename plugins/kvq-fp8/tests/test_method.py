@@ -16,7 +16,7 @@ from kvq_fp8.formats import FORMATS
 
 
 def test_kvq_list_names_the_distribution_and_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvq_core.cli", "list", "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "kvq_core.tools.cli", "list", "--json"], capture_output=True, text=True,
                          check=True).stdout
     listing = json.loads(out)
     method = next(m for m in listing["methods"] if m["name"] == "fp8")
@@ -88,7 +88,7 @@ def test_kvq_cache_decodes_close_to_the_full_precision_cache(model) -> None:
     import torch
     from transformers import DynamicCache
 
-    from kvq_core.hf import KVQCache
+    from kvq_core.integrations.hf import KVQCache
 
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     ref = _decode_logits(model, DynamicCache(config=model.config), ids, 24)
@@ -108,8 +108,8 @@ def test_kvq_cache_decodes_close_to_the_full_precision_cache(model) -> None:
 def test_perplexity_evaluation_scores_fp8_like_a_builtin(model) -> None:
     import torch
 
-    from kvq_core.eval.caches import parse_config
-    from kvq_core.eval.ppl import score_window
+    from kvq_core.tools.eval.caches import parse_config
+    from kvq_core.tools.eval.ppl import score_window
 
     ids = torch.randint(0, 128, (1, 49), generator=torch.Generator().manual_seed(8))
     fp, ref = score_window(model, ids, parse_config("fp"), 32, 16, backend="auto", shared=None, chunk=None,

@@ -1,3 +1,0 @@
-"""Real-model evaluation: ``kvq eval ppl`` (:mod:`kvq_core.eval.ppl`) and ``kvq eval niah``
-(:mod:`kvq_core.eval.niah`), each a ``main(argv) -> int``. Loading in :mod:`.model` and
-:mod:`.text`, cache configurations in :mod:`.caches`, tables and plots in :mod:`.report`."""

@@ -1,0 +1,136 @@
+"""What one :class:`~kvq_core.integrations.hf.layer.KVQLayer` step hands the model's attention.
+
+Two ways to attend:
+
+- ``attention="dequant"``: ``update`` returns full K/V (decoded blocks + window) to the
+  model's own attention. Decoded history is cached per layer (``cache_decoded=True``,
+  :mod:`kvq_core.integrations.hf.decoded`) so old blocks are decoded once; decoding is deterministic, so this
+  is exact, but it holds a float copy of the history: :meth:`KVQCache.memory_report` lists
+  those bytes separately.
+- ``attention="codes"``: ``update`` returns only the window, tagged with the packed blocks (a
+  :class:`CodesContext`); the ``"kvq"`` attention function (:mod:`kvq_core.integrations.hf.attention`) scores
+  the blocks from their codes with ``Quantizer.attend`` and merges them with the window by
+  log-sum-exp. Nothing is materialised. ``"auto"`` picks codes exactly when the model config's
+  attention implementation is ``"kvq"``.
+
+A sliding-window layer whose window starts inside a token-group block, or inside the exact
+window, hands its visible tokens over decoded (also in codes mode), so the K/V match the mask
+transformers builds. A sliding-flush step with ``chunks="decode"`` also carries the window's
+packed tokens decoded (``flushed``), for queries ``residual`` or more tokens after them
+(:mod:`kvq_core.integrations.hf.flush`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvq_core.integrations.hf.flush import blocks_before
+from kvq_core.packed import PackedKV
+
+if TYPE_CHECKING:
+    from kvq_core.integrations.hf.layer import KVQLayer
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodesContext:
+    """What the ``"kvq"`` attention function needs besides the K/V it is handed.
+
+    ``blocks``/``packed_length``: packed blocks not in the K/V (codes mode), scored from codes.
+    ``history``: leading K/V tokens that are decoded history (dequant mode). ``flushed``: this
+    step's sliding view: the window's first tokens decoded from their codes, for queries
+    ``residual`` or more tokens after them (see :mod:`kvq_core.integrations.hf.flush`).
+    """
+
+    layer: KVQLayer
+    blocks: tuple[tuple[PackedKV, PackedKV], ...]
+    packed_length: int
+    history: int = 0
+    flushed: Pair | None = None
+
+
+def attach_context(keys: torch.Tensor, ctx: CodesContext) -> None:
+    """Tag ``keys`` (a view made for this step, never the layer's stored window) with ``ctx``, as
+    its ``kvq_context`` attribute: the K/V travel through the model's attention module unchanged,
+    so the tag reaches the "kvq" attention function with them (:func:`context_of`)."""
+    keys.kvq_context = ctx  # type: ignore[attr-defined]
+
+
+def context_of(key: torch.Tensor) -> CodesContext | None:
+    """The :class:`CodesContext` a step attached to its keys (:func:`attach_context`); None for
+    ordinary K/V."""
+    return getattr(key, "kvq_context", None)
+
+
+def step_view(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, base: int, first: int) -> Pair:
+    """The K/V ``layer.update`` returns, once its window holds this step's tokens: ``base`` is
+    the window's first position, ``first`` the first position its queries see, ``block`` this
+    step's flush (encoded, not yet stored). Codes mode marks the layer pending until attended."""
+    # sliding: a query of this step may sit `residual` or more tokens after a window token
+    decode_view = (layer.flush == "sliding" and layer.chunks == "decode" and layer.keys.shape[-2] > max(layer.residual, 1)
+                   and base >= first)
+    flushed = _window_codes(layer, block, base) if decode_view else None
+    if first > layer.evicted or base < first:
+        # a sliding window starts inside a token-group block or inside the exact window: hand
+        # the visible tokens over decoded, so K/V match the mask transformers builds
+        keys, values = _visible(layer, base, first)
+        if layer.codes_mode or flushed is not None:
+            keys = keys.view(keys.shape)
+            attach_context(keys, CodesContext(layer, (), 0, history=max(base - first, 0), flushed=flushed))
+            if layer.codes_mode:
+                layer.mark_pending()
+    elif layer.codes_mode:
+        whole, part = _blocks_before(layer, base)
+        keys, values = layer.keys.view(layer.keys.shape), layer.values.view(layer.values.shape)
+        if part is not None:  # a block encoded ahead: its tokens before the window, decoded
+            keys, values = torch.cat([part[0], keys], dim=-2), torch.cat([part[1], values], dim=-2)
+        history = 0 if part is None else part[0].shape[-2]
+        attach_context(keys, CodesContext(layer, tuple(layer.blocks[:whole]), base - history - layer.evicted,
+                                          history=history, flushed=flushed))
+        layer.mark_pending()
+    else:
+        keys, values = _visible(layer, base, first)
+        if flushed is not None:
+            keys = keys.view(keys.shape)
+            attach_context(keys, CodesContext(layer, (), 0, history=base - first, flushed=flushed))
+    return keys, values
+
+
+def _visible(layer: KVQLayer, base: int, first: int) -> Pair:
+    """Decoded history from token ``first`` to ``base``, then the window from ``first`` on."""
+    keys, values = layer.keys, layer.values
+    if base < first:
+        return keys[:, :, first - base:], values[:, :, first - base:]
+    hist = layer.decoded_history()
+    if hist is not None and base > first:
+        lo, hi = first - layer.evicted, base - layer.evicted
+        keys = torch.cat([hist[0][:, :, lo:hi], keys], dim=-2)
+        values = torch.cat([hist[1][:, :, lo:hi], values], dim=-2)
+    return keys, values
+
+
+def _blocks_before(layer: KVQLayer, base: int) -> tuple[int, Pair | None]:
+    """How many leading blocks lie wholly before token ``base``, and the decoded tokens before
+    ``base`` of the next block (one a sliding stride encoded ahead), if any."""
+    whole, part = blocks_before(layer.block_tokens, layer.evicted, base)
+    if not part:
+        return whole, None
+    k, v = layer.decode_ahead(whole)
+    return whole, (k[:, :, :part], v[:, :, :part])
+
+
+def _window_codes(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, base: int) -> Pair | None:
+    """The window's packed tokens decoded (those encoded ahead by earlier steps, then this
+    step's block), for a decode-view step: its queries read the older ones from codes."""
+    parts = []
+    if layer.packed_length > base:
+        hist = layer.decoded_history()
+        parts.append((hist[0][:, :, base - layer.evicted:], hist[1][:, :, base - layer.evicted:]))  # type: ignore[index]
+    if block is not None:
+        parts.append(layer.decode_pair(block[0], block[1]))
+    if not parts:
+        return None
+    return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
