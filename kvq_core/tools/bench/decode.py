@@ -2,8 +2,9 @@
 
 For each prompt length (default 2,048 and 8,192 tokens of WikiText-2) and each cache
 configuration (default: ``DynamicCache``; kvq OScaR INT2 with the block flush and its 128-token
-window; kvq OCTOPUS b=3 with the sliding flush, stride 1 and stride 32; transformers'
-``QuantizedCache`` with the quanto backend at int4), in one run:
+window; kvq OCTOPUS b=3 with the sliding flush, stride 1 and stride 32; kvq TurboQuant b=3 and,
+beside it, the PyPI ``turboquant`` package's cache at 3 bits; transformers' ``QuantizedCache`` with
+the quanto backend at int4), in one run:
 
 1. the prompt is prefilled through the cache (``prefill_s``, not part of the decode rate; for
    kvq caches it includes encoding the prompt, and the first encode call of a run may load or
@@ -73,6 +74,7 @@ DEFAULT_CONFIGS = (
     "octopus:bits=3,label=octopus-b3",
     "octopus:bits=3,stride=32,label=octopus-b3-stride32",
     "turboquant:bits=3,label=turboquant-b3",
+    "pypi-turboquant:bits=3,label=pypi-turboquant-3",
     "quanto:nbits=4,label=quanto-int4",
 )
 PROMPTS = (2048, 8192)
@@ -427,7 +429,7 @@ def _versions() -> dict[str, str | None]:
     from importlib import metadata
 
     out: dict[str, str | None] = {}
-    for dist in ("torch", "transformers", "numba", "optimum-quanto"):
+    for dist in ("torch", "transformers", "numba", "optimum-quanto", "turboquant"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

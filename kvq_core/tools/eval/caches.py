@@ -5,6 +5,9 @@ Kinds:
 - ``fp``: transformers ``DynamicCache`` (the full-precision baseline);
 - ``quanto`` / ``hqq``: transformers' own ``QuantizedCache`` with that backend
   (``nbits``, ``q_group_size``, ``residual_length``, ``axis_key``, ``axis_value``);
+- ``pypi-turboquant``: the PyPI ``turboquant`` package's ``TurboQuantCache`` (``bits``; its
+  window is 128 exact tokens), a third-party TurboQuant to compare kvq's against
+  (``pip install turboquant``; it dequantizes its whole history every step);
 - any kvq method name: :class:`kvq_core.integrations.hf.KVQCache` with the method's parameters plus the
   cache options ``residual``, ``flush``, ``stride``, ``fp_layers``, ``fp_key_layers`` (``;``-separated layer lists),
   ``value_method`` and ``v.<param>`` (value codec parameters, e.g. ``v.bits=2``); a parameter
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 HF_KINDS = ("quanto", "hqq")
+PYPI_TURBOQUANT = "pypi-turboquant"  # the PyPI turboquant package's cache
 KVQ_KINDS = ("kvq", "plan")  # caches that are a KVQCache
 CACHE_OPTIONS = ("residual", "flush", "stride", "fp_layers", "fp_key_layers", "value_method")
 WINDOW_BITS = 16
@@ -65,6 +69,8 @@ class CacheConfig:
             return 16
         if self.kind in HF_KINDS:
             return self.params.get("nbits", 4)
+        if self.kind == PYPI_TURBOQUANT:
+            return self.params.get("bits", 3)
         if self.method == "fp16":
             return 16
         if self.kind == "plan":
@@ -103,7 +109,7 @@ def parse_config(text: str) -> CacheConfig:
             params[key] = _value(val)
     if head in ("fp", "dynamic"):
         kind = "fp"
-    elif head in HF_KINDS:
+    elif head in HF_KINDS or head == PYPI_TURBOQUANT:
         kind = head
     elif head == "plan":
         if set(params) != {"path"}:
@@ -151,6 +157,8 @@ def _default_label(head: str, kind: str, params: dict, options: dict, vparams: d
         return "fp"
     if kind in HF_KINDS:
         return f"hf-{head}-int{params.get('nbits', 4)}"
+    if kind == PYPI_TURBOQUANT:
+        return f"{head}-{params.get('bits', 3)}"
     name = head + (f"-{params['bits']}" if "bits" in params else "")
     if "bits" in vparams:
         name = f"{head}-k{params.get('bits')}v{vparams['bits']}"
@@ -168,12 +176,36 @@ def build_cache(cfg: CacheConfig, model_config: Any, backend: str = "auto", atte
         return DynamicCache(config=model_config)
     if cfg.kind in HF_KINDS:
         return QuantizedCache(cfg.kind, model_config, **cfg.params)
+    if cfg.kind == PYPI_TURBOQUANT:
+        return _pypi_turboquant_cache(**cfg.params)
     from kvq_core.integrations.hf import KVQCache
 
     if cfg.kind == "plan":
         return KVQCache.from_plan(model_config, cfg.params["path"], backend=backend, attention=attention)
     return KVQCache(model_config, cfg.method, backend, value_params=cfg.value_params or None, attention=attention,
                     **cfg.options, **cfg.params)
+
+
+def _pypi_turboquant_cache(**params: Any) -> Any:
+    """The PyPI ``turboquant`` package's ``TurboQuantCache``, run on this stack: its ``update`` takes
+    the extra keyword arguments transformers 5.2x passes (turboquant 0.2.0 accepts ``cache_kwargs``
+    only), and its module sees ``np.trapezoid`` as ``np.trapz`` (removed in NumPy 2.4; it builds its
+    codebook with it). Nothing else of the package is changed."""
+    import types
+
+    import numpy as np
+    import turboquant.core
+    from turboquant import TurboQuantCache
+
+    if not hasattr(turboquant.core.np, "trapz"):
+        turboquant.core.np = types.SimpleNamespace(**vars(np), trapz=np.trapezoid)
+
+    class Adapted(TurboQuantCache):
+        def update(self, key_states: Any, value_states: Any, layer_idx: int, cache_kwargs: Any = None,
+                   **_: Any) -> Any:
+            return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+    return Adapted(**params)
 
 
 def populate(cache: Any, source: Any) -> None:
@@ -232,6 +264,15 @@ def stored(cache: Any, token_elements: int) -> dict[str, float]:
             bits += 8 * q + WINDOW_BITS * res
             nbytes += q + (res * keys.element_size() if res else 0)
             elements += token_elements * layer.cumulative_length
+        elif hasattr(layer, "_key_indices"):  # the PyPI turboquant package's layer
+            if not getattr(layer, "is_initialized", False):
+                continue
+            q = _tensor_bytes([layer._key_indices, layer._key_norms, layer._value_indices, layer._value_norms])
+            res = layer._residual_keys.numel() + layer._residual_values.numel()
+            held = keys.numel() + layer.values.numel() if layer._key_indices.numel() else 0  # its decoded copy
+            bits += 8 * q + WINDOW_BITS * res
+            nbytes += q + (res + held) * layer._residual_keys.element_size()
+            elements += token_elements * layer.get_seq_length()
         elif isinstance(keys, torch.Tensor) and keys.numel():
             e = keys.numel() + layer.values.numel()
             bits += WINDOW_BITS * e
