@@ -24,11 +24,12 @@
    context (bf16, flash; a lower bound of a dense engine's cost, which would also mask).
 
 Ends with one summary table of ratios (reference time / kvq time; numba vs Triton: Triton time /
-numba time) and the list of what the budget skipped.
+numba time; fused window: unfused time / fused time) and the list of what the budget skipped.
 
 Budget: ``--budget`` seconds (default 400) for this script, split between the sections
-(conformance stops at 40 % of it; the fused window step keeps 10 %, the paged step 25 % when it runs); an item that would
-overrun prints SKIPPED and is listed at the end. Exit status 1 when a conformance check or a timed item fails.
+(conformance stops at 40 % of it; the fused window step keeps 10 %, the paged step 25 % when it
+runs); an item that would overrun prints SKIPPED and is listed at the end. Exit status 1 when a
+conformance check or a timed item fails (or the fused and unfused window answers disagree).
 The real run never uses Triton's interpreter (``TRITON_INTERPRET`` is removed before import).
 
 ``--dry-run``: Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set here before kvq is
