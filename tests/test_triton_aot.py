@@ -97,7 +97,7 @@ def _cases():
         yield f"window-{name}", window._window_kernel, dict(  # the same tiles, blocks read through the table
             q_ptr=P32, table="*i64", n_blocks="i32", wk=P32, wv=P32, o_part=P32, m_part=P32, l_part=P32, out_ptr=P32,
             lse_ptr=P32, R="i32", LQ="i32", W="i32", HK="i32", k_nb="i32", v_nb="i32", scale="fp32",
-            tiles_per_split="i32", n_splits="i32", window_tile="i32", ONE_SPLIT=name == "oscar",
+            tiles_per_split="i32", n_splits="i32", window_tile="i32", ONE_SPLIT=name == "oscar", ALIGNED=name != "kivi",
             **{k: a for k, a in args.items() if k.isupper() and k not in ("R", "T", "HK")})
     for name, params, block in (("oscar-int2", dict(method="oscar", bits=2), 32), ("kivi-int2", dict(method="kivi", bits=2, group=16), 16),
                                 ("oscar-int4", dict(method="oscar", bits=4, key_group=64), 64),
