@@ -148,7 +148,9 @@ def _window_kernel(
 @functools.lru_cache(maxsize=256)
 def _table(device: torch.device, entries: tuple[int, ...]) -> torch.Tensor:
     """The block table holding ``entries`` on ``device`` (cached: a layer's blocks stay the same
-    from one decode step to the next, and the table holds nothing but its key)."""
+    from one decode step to the next, and the table holds nothing but its key). A call captured in
+    a CUDA graph finds its table here after one warm-up call with the same blocks (a first call
+    copies the table to the device, which a capture cannot)."""
     return torch.tensor(entries, dtype=torch.int64).reshape(-1, WIDTH).to(device)
 
 
