@@ -12,17 +12,24 @@
    GQA 4, one query token; timed as CUDA graphs (no Python overhead; not numba, which launches
    on its own stream) and eagerly. The goal shape (OScaR INT2 >= 3x at 128k tokens, batch 1)
    runs first.
-4. **Paged decode** (only when ``torch.ops.kvq.attend_paged`` exists): ``kvq::attend_paged`` per
+4. **Fused window step**: the ``kvq::attend_window`` op's body (a layer's packed blocks, four of
+   halving length as a KVQCache layer holds them, then a 64-token exact window, in one online
+   softmax) per GPU backend whose kernel class has a fused ``attend_window`` of its own, against
+   the unfused reference body (``TorchMethod.attend_window``: each block decoded by the backend's
+   kernels, then one softmax), at 8k tokens (batch 1 and 16) and 32k (batch 1), as CUDA graphs and
+   eagerly; the two answers are compared.
+5. **Paged decode** (only when ``torch.ops.kvq.attend_paged`` exists): ``kvq::attend_paged`` per
    backend with a paged kernel of its own (and the torch fallback), batch 16 and 64 of mixed
    context lengths, pages of 16 and 32 tokens, against SDPA over the batch padded to its longest
    context (bf16, flash; a lower bound of a dense engine's cost, which would also mask).
 
 Ends with one summary table of ratios (reference time / kvq time; numba vs Triton: Triton time /
-numba time) and the list of what the budget skipped.
+numba time; fused window: unfused time / fused time) and the list of what the budget skipped.
 
 Budget: ``--budget`` seconds (default 400) for this script, split between the sections
-(conformance stops at 40 % of it; the paged step keeps 25 % when it runs); an item that would
-overrun prints SKIPPED and is listed at the end. Exit status 1 when a conformance check or a timed item fails.
+(conformance stops at 40 % of it; the fused window step keeps 10 %, the paged step 25 % when it
+runs); an item that would overrun prints SKIPPED and is listed at the end. Exit status 1 when a
+conformance check or a timed item fails (or the fused and unfused window answers disagree).
 The real run never uses Triton's interpreter (``TRITON_INTERPRET`` is removed before import).
 
 ``--dry-run``: Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set here before kvq is
@@ -52,6 +59,9 @@ INPUT_DTYPE = {"numba": "float16"}
 NO_GRAPHS = {"numba"}
 #: the paged spec: OScaR INT2 with 16-token key groups (a page holds whole groups at 16 and 32)
 PAGED_SPEC = ("oscar", {"bits": 2, "key_group": 16})
+#: the fused window step: (packed tokens, batch) shapes, and the exact window's tokens
+WINDOW_SHAPES = ((8192, 1), (8192, 16), (32768, 1))
+WINDOW_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +83,8 @@ FULL = Plan("cuda", (4096, 32768, 131072), (1, 16), 8, 128, 4, reps=20, examples
             paged_batches=(16, 64), page_sizes=(16, 32), paged_lens=(256, 8192))
 DRY = Plan("cpu", (80,), (1, 2), 2, 64, 4, reps=1, examples=1,
            paged_batches=(2,), page_sizes=(16,), paged_lens=(16, 48))
+#: the dry run's fused window step: 96 packed tokens (blocks of 48, 24, 12, 12), batch 2, an 8-token window
+DRY_WINDOW = (((96, 2),), 8)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -393,7 +405,87 @@ def numba_vs_triton(rows: list[Row]) -> list[Row]:
 
 
 # --------------------------------------------------------------------------------------------
-# 4. paged decode (the serving issue's kvq::attend_paged)
+# 4. the fused window step (kvq::attend_window)
+# --------------------------------------------------------------------------------------------
+def window_blocks(tokens: int) -> list[int]:
+    """Block lengths of a layer holding ``tokens`` packed tokens: halving, as KVQCache's joins leave them."""
+    lens = [tokens // 2, tokens // 4, tokens // 8]
+    return [*lens, tokens - sum(lens)]
+
+
+def window_step(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserve: float,
+                errors: list[str]) -> list[Row]:
+    """The fused ``attend_window`` of a backend's kernel class (the ``kvq::attend_window`` op's body) vs
+    the unfused reference body, while more than ``reserve`` seconds are left, for backends whose
+    kernel class fuses it; a failing or disagreeing item is printed and added to ``errors``."""
+    import torch
+
+    from kvq_core import registry
+    from kvq_core.api import Quantizer
+    from kvq_core.torch_ops import run
+    from kvq_core.torch_ops.torch_kernels import context
+    from kvq_torch.common import TorchMethod
+
+    shapes_, w = DRY_WINDOW if plan.device == "cpu" else (WINDOW_SHAPES, WINDOW_TOKENS)
+    rows: list[Row] = []
+    print(f"\n== 4. fused window step: attend_window over 4 packed blocks + a {w}-token window, "
+          f"{plan.kv_heads} KV heads x {plan.head_dim}, GQA {plan.gqa}, one query token; unfused = the op's "
+          f"reference body (blocks decoded, one softmax); microseconds per call")
+    print(f"{'backend':>10} {'method':<11} {'batch':>5} {'tokens':>7} {'fused_us':>10} {'unfused_us':>10} "
+          f"{'speedup':>8} {'max_diff':>9}")
+    scale = plan.head_dim ** -0.5
+    for tokens, batch in shapes_:
+        q, k, v = _inputs(plan, batch, tokens + w, seed=2)
+        for backend, methods in backends.items():
+            for method in methods:
+                if method not in METHODS:
+                    continue
+                spec = registry.make_spec(method, head_dim=plan.head_dim, **METHODS[method])
+                impl = run.kernel(backend, spec.to_json())
+                if not isinstance(impl, TorchMethod) or type(impl).attend_window is TorchMethod.attend_window:
+                    continue  # no fused kernel of its own: the op body is the reference
+                if clock.left() < reserve + 15:
+                    clock.skip(f"window {backend}/{method} tokens={tokens} batch={batch}")
+                    continue
+                try:
+                    quant = Quantizer(spec, backend)
+                    blocks, at = [], 0
+                    for n in window_blocks(tokens):
+                        blocks.append((quant.encode_keys(k[:, :, at:at + n]), quant.encode_values(v[:, :, at:at + n])))
+                        at += n
+                    wk, wv = k[:, :, tokens:], v[:, :, tokens:]
+                    parts = [(pk.fields, pv.fields, pk.shape[2]) for pk, pv in blocks]
+                    ctx = context(spec.to_json(), 0, (batch, plan.kv_heads, tokens, plan.head_dim), q.device)
+
+                    def fused() -> Any:
+                        return impl.attend_window(q, parts, wk, wv, ctx, scale)
+
+                    def unfused() -> Any:
+                        return TorchMethod.attend_window(impl, q, parts, wk, wv, ctx, scale)
+
+                    diff = (fused()[0].float() - unfused()[0].float()).abs().max().item()
+                    t_fused = best(graph_time(fused, plan.reps, plan.device), eager_time(fused, plan.reps, plan.device))
+                    t_unfused = best(graph_time(unfused, plan.reps, plan.device),
+                                     eager_time(unfused, plan.reps, plan.device))
+                    rows.append(Row("fused window", backend, method, label(tokens, batch), t_fused, t_unfused))
+                    print(f"{backend:>10} {method:<11} {batch:>5} {tokens:>7} {_us(t_fused)} {_us(t_unfused)} "
+                          f"{t_unfused / t_fused:8.2f} {diff:9.2e}", flush=True)
+                    if not diff <= 1e-3:  # float32 outputs (tf32x3 products)
+                        errors.append(f"window {backend}/{method} batch={batch} tokens={tokens}: max diff {diff:.3g}")
+                    del blocks, parts
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(f"window {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}")
+                    print(f"FAIL window {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}: "
+                          f"{str(exc)[:300]}", flush=True)
+                    traceback.print_exc(limit=3)
+        del q, k, v
+        if plan.device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# 5. paged decode (the serving issue's kvq::attend_paged)
 # --------------------------------------------------------------------------------------------
 def paged_op() -> Any:
     """``torch.ops.kvq.attend_paged`` when this checkout has it (and its test cases), else None."""
@@ -440,7 +532,7 @@ def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, err
     timed = paged_backends(spec, backends)
     rows: list[Row] = []
     hk, hq, d = plan.kv_heads, plan.kv_heads * plan.gqa, plan.head_dim
-    print(f"\n== 4. paged decode: kvq::attend_paged, {method} {params}, {hk} KV heads x {d}, GQA {plan.gqa}, "
+    print(f"\n== 5. paged decode: kvq::attend_paged, {method} {params}, {hk} KV heads x {d}, GQA {plan.gqa}, "
           f"context lengths drawn in {list(plan.paged_lens)}; SDPA over the batch padded to its longest; "
           f"microseconds per step")
     print(f"{'backend':>18} {'batch':>5} {'page':>4} {'tokens':>8} {'max_len':>7} {'paged_us':>10} "
@@ -488,7 +580,8 @@ def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, err
 
 def summary(rows: list[Row], clock: Clock) -> None:
     """The one table of ratios, then what the budget skipped."""
-    print("\n== summary: reference time / kvq time (> 1: kvq faster; numba vs triton: triton time / numba time)")
+    print("\n== summary: reference time / kvq time (> 1: kvq faster; numba vs triton: triton time / numba time; "
+          "fused window: unfused time / fused time)")
     print(f"{'section':<16} {'backend':<18} {'method':<11} {'shape':<14} {'kvq_us':>10} {'ref_us':>10} {'ratio':>7}")
     for r in rows:
         print(f"{r.section:<16} {r.backend:<18} {r.method:<11} {r.shape:<14} {_us(r.kvq_s)} {_us(r.ref_s)} "
@@ -531,8 +624,9 @@ def main(argv: list[str] | None = None) -> int:
     failures = conformance(plan, backends, clock)
     reserve = 0.25 * clock.budget if op is not None else 0.0
     errors: list[str] = []
-    rows = benchmarks(plan, backends, clock, reserve, errors)
+    rows = benchmarks(plan, backends, clock, reserve + 0.1 * clock.budget, errors)
     rows += numba_vs_triton(rows)
+    rows += window_step(plan, backends, clock, reserve, errors)
     if op is not None:
         rows += paged(plan, backends, clock, op, errors)
 

@@ -1,11 +1,21 @@
 """``Quantizer.attend_window``: packed blocks and an exact window in one kernel call (numba on the CPU;
-torch: one ``kvq::attend_window`` op, the reference over the decoded blocks).
+torch: one ``kvq::attend_window`` op, the reference over the decoded blocks; triton: that op running
+the fused kernel of ``kvq_triton/window.py``).
 
 Checked against softmax attention in float64 over the NumPy reference's decoded blocks followed
 by the window, causal among the queries (the last ``q_len`` window tokens), with GQA, batch 2,
-several blocks of uneven lengths, and a multi-token query.
+several blocks of uneven lengths, and a multi-token query. The Triton case runs under Triton's CPU
+interpreter in a child process (``TRITON_INTERPRET=1`` must be set before the kernels are imported:
+:func:`test_triton_under_interpreter`), where it is the only backend checked, beside the kernel's own
+cases in ``tests/triton_interp/interp_window.py``.
 """
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +23,9 @@ import pytest
 from kvq_core import get_quantizer
 from kvq_core.errors import BackendUnavailableError, InputError
 
+#: the child process of test_triton_under_interpreter checks the Triton backend, this one the CPU backends
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+BACKENDS = ["triton"] if INTERPRETING else ["numba", "torch"]
 CASES = [("oscar", {"bits": 2}), ("oscar", {"bits": 4, "token_scaling": False}), ("kivi", {"bits": 2}),
          ("octopus", {"bits": 3}), ("octopus", {"bits": 2, "values": "fp16"}), ("turboquant", {"bits": 3})]
 
@@ -35,7 +48,7 @@ def _reference(ref, q, blocks, wk, wv, scale):
 
 @pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{'-'.join(map(str, p.values()))}" for m, p in CASES])
 @pytest.mark.parametrize("q_len", [1, 5])
-@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_attend_window_equals_attention_over_decoded_blocks_and_window(backend, method, params, q_len):
     pytest.importorskip(backend)
     rng = np.random.default_rng(q_len)
@@ -76,3 +89,19 @@ def test_attend_window_checks_its_inputs():
     assert not numpy_quant.fuses_window(q)
     with pytest.raises(BackendUnavailableError, match="no fused window kernel"):
         numpy_quant.attend_window(q, [], k[:, :, :8], k[:, :, :8])
+
+
+@pytest.mark.skipif(INTERPRETING or importlib.util.find_spec("triton") is None,
+                    reason="starts the interpreter's child process (triton installed, not already interpreting)")
+def test_triton_under_interpreter() -> None:
+    """The shared check above for backend="triton", and tests/triton_interp/interp_window.py, in a fresh
+    process with TRITON_INTERPRET=1."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "backends"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W",
+                           "ignore::RuntimeWarning", "-k", "triton and not under_interpreter",
+                           "tests/test_attend_window.py", "tests/triton_interp/interp_window.py"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert f"{2 * len(CASES) + 4} passed" in proc.stdout, proc.stdout[-3000:]

@@ -18,7 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kvq_core.paged import PageLayout  # noqa: E402
 from kvq_core.registry import make_spec  # noqa: E402
-from kvq_triton import attention, codebook, intcodes, packing, paged, tiles  # noqa: E402
+from kvq_triton import attention, codebook, intcodes, packing, paged, tiles, window  # noqa: E402
 
 P8, P16, P32, I32 = "*u8", "*fp16", "*fp32", "*i32"
 
@@ -94,6 +94,11 @@ def _cases():
             args.update({f"{prefix}_KIND": c["KIND"], f"{prefix}_BITS": c["BITS"], f"{prefix}_SPAN": c["SPAN"],
                          f"{prefix}_GROUP": c["GROUP"], f"{prefix}_RHO": c["RHO_BITS"], f"{prefix}_SCALE": c["SCALE"]})
         yield f"attend-{name}", attention._attend_split_kernel, args
+        yield f"window-{name}", window._window_kernel, dict(  # the same tiles, blocks read through the table
+            q_ptr=P32, table="*i64", n_blocks="i32", wk=P32, wv=P32, o_part=P32, m_part=P32, l_part=P32, out_ptr=P32,
+            lse_ptr=P32, R="i32", LQ="i32", W="i32", HK="i32", k_nb="i32", v_nb="i32", scale="fp32",
+            tiles_per_split="i32", n_splits="i32", window_tile="i32", ONE_SPLIT=name == "oscar", ALIGNED=name != "kivi",
+            **{k: a for k, a in args.items() if k.isupper() and k not in ("R", "T", "HK")})
     for name, params, block in (("oscar-int2", dict(method="oscar", bits=2), 32), ("kivi-int2", dict(method="kivi", bits=2, group=16), 16),
                                 ("oscar-int4", dict(method="oscar", bits=4, key_group=64), 64),
                                 ("octopus-b3", dict(method="octopus", bits=3), 16)):

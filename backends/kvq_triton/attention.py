@@ -131,6 +131,33 @@ def _splits(t: int, blocks_per_head: int, bh: int, block_n: int, device: torch.d
     return per, triton.cdiv(t, per)
 
 
+def tile_sizes(keys: Stored, r: int, d: int) -> tuple[int, int, int, bool]:
+    """(DP, BM, BN, K_ONE_GROUP) of an attention launch over ``r`` query rows of head_dim ``d``:
+    the padded head_dim, query rows and tokens per tile, and whether each tile lies in one key
+    token group (then one row of key stats serves it)."""
+    dp = max(16, triton.next_power_of_2(d))
+    bm = min(64, max(16, triton.next_power_of_2(r)))
+    bn = 64 if d <= 128 else 32
+    one_group = keys.kind == INT_TOKENS and keys.group >= 16 and keys.group & (keys.group - 1) == 0
+    if one_group:
+        bn = min(bn, keys.group)
+    return dp, bm, bn, one_group
+
+
+def stored_constexprs(keys: Stored, values: Stored) -> dict:
+    """The ``K_*`` and ``V_*`` kernel constants describing how the keys and values are stored."""
+    out = {}
+    for prefix, s in (("K", keys), ("V", values)):
+        out.update({f"{prefix}_KIND": s.kind, f"{prefix}_BITS": s.bits, f"{prefix}_SPAN": span(s.bits),
+                    f"{prefix}_GROUP": s.group, f"{prefix}_RHO": s.rho_bits, f"{prefix}_SCALE": s.scale_mode})
+    return out
+
+
+def precision(device: torch.device) -> str:
+    """``tl.dot``'s input precision on ``device`` (see :data:`DOT_PRECISION`)."""
+    return DOT_PRECISION if device.type == "cuda" else "ieee"
+
+
 def attend(q_rot: torch.Tensor, keys: Stored, values: Stored, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped rotated queries ``q_rot [b, kv_heads, R, d]`` (float32) over the
     packed keys and values of ``[b, kv_heads, t, d]``; returns ``out [b, kv_heads, R, d]`` (in the
@@ -139,12 +166,7 @@ def attend(q_rot: torch.Tensor, keys: Stored, values: Stored, scale: float) -> t
     b, hk, r, d = q_rot.shape
     t = int(keys.codes.shape[2])
     bh = b * hk
-    dp = max(16, triton.next_power_of_2(d))
-    bm = min(64, max(16, triton.next_power_of_2(r)))
-    bn = 64 if d <= 128 else 32
-    one_group = keys.kind == INT_TOKENS and keys.group >= 16 and keys.group & (keys.group - 1) == 0
-    if one_group:  # tiles inside one token group: one row of key stats per tile
-        bn = min(bn, keys.group)
+    dp, bm, bn, one_group = tile_sizes(keys, r, d)
     m_blocks = triton.cdiv(r, bm)
     per, n_splits = _splits(t, m_blocks, bh, bn, q_rot.device)
     dev = q_rot.device
@@ -156,12 +178,8 @@ def attend(q_rot: torch.Tensor, keys: Stored, values: Stored, scale: float) -> t
     _attend_split_kernel[(bh, m_blocks, n_splits)](
         q_rot, kc, ka, kb, ks, vc, va, vb, vs, o_part, m_part, l_part,
         r, t, hk, kc.shape[-1], keys.stats_len(), vc.shape[-1], values.stats_len(), float(scale), per, n_splits,
-        D=d, DP=dp, BM=bm, BN=bn, PRECISION=DOT_PRECISION if q_rot.device.type == "cuda" else "ieee",
-        K_ONE_GROUP=one_group,
-        K_KIND=keys.kind, K_BITS=keys.bits, K_SPAN=span(keys.bits), K_GROUP=keys.group,
-        K_RHO=keys.rho_bits, K_SCALE=keys.scale_mode,
-        V_KIND=values.kind, V_BITS=values.bits, V_SPAN=span(values.bits), V_GROUP=values.group,
-        V_RHO=values.rho_bits, V_SCALE=values.scale_mode,
+        D=d, DP=dp, BM=bm, BN=bn, PRECISION=precision(dev), K_ONE_GROUP=one_group,
+        **stored_constexprs(keys, values),
     )
     out = torch.empty((b, hk, r, d), dtype=torch.float32, device=dev)
     lse = torch.empty((b, hk, r), dtype=torch.float32, device=dev)

@@ -5,8 +5,8 @@
 out). Host glue in torch: the Hadamard rotation as one matmul and the omni-token norm (the
 torch backend's helpers, so the float32 input to the quantizer is the same). Triton: the
 asymmetric min/max group quantizer of ``kvq_numpy/intquant.py`` and packing (:func:`quantize`),
-the tile decoder (:mod:`kvq_triton.tiles`), and the fused split-KV attention
-(:mod:`kvq_triton.attention`), which multiplies each logit by the token norm.
+the tile decoder (:mod:`kvq_triton.tiles`), and the fused attention (:class:`kvq_triton.method.TritonMethod`:
+one block, or a layer's blocks and its exact window), which multiplies each logit by the token norm.
 
 A block is viewed as ``x [A, L, C]`` with groups of ``group`` consecutive entries along L:
 keys ``[b*h, tokens, d]`` (per channel over token groups), values ``[b*h*tokens, d, 1]`` (per
@@ -22,9 +22,10 @@ import triton.language as tl
 
 from kvq_core.errors import BackendUnavailableError
 from kvq_core.methods.intcodes import TOKENS, ZERO_INTEGER, IntGroups
-from kvq_torch.common import Fields, TorchContext, TorchMethod, hadamard_rotate
+from kvq_torch.common import Fields, TorchContext, hadamard_rotate
 from kvq_torch.intcodes import token_norms
-from kvq_triton import attention, config, tiles
+from kvq_triton import config, tiles
+from kvq_triton.method import TritonMethod
 from kvq_triton.packing import pack_rows
 from kvq_triton.tiles import BATCH_SCALE, INT_CHANNELS, INT_TOKENS, NO_SCALE, Stored
 
@@ -120,7 +121,7 @@ def quantize(x: torch.Tensor, groups: IntGroups) -> dict[str, torch.Tensor]:
     return {"codes": pack_rows(codes, bits), "scale": scale, "offset": offset}
 
 
-class IntCodesTriton(TorchMethod):
+class IntCodesTriton(TritonMethod):
     """An integer-code method on Triton (a spec with a ``recipe`` whose ``clip_ratio`` is 1)."""
 
     def __init__(self, spec) -> None:
@@ -133,16 +134,18 @@ class IntCodesTriton(TorchMethod):
         """``x @ H`` (H is its own inverse), or float32 x when the recipe does not rotate."""
         return hadamard_rotate(x, ctx.consts["hadamard"]) if self.recipe.rotates else x.to(torch.float32)
 
+    to_codes = from_values = _rotate  # keys and values share the rotation, its own inverse
+
     def _stored(self, fields: Fields, groups: IntGroups, norm: torch.Tensor | None = None) -> Stored:
         """A block as the tile decoder reads it; with ``norm`` each token's logit (or row) is scaled by it."""
         kind = INT_TOKENS if groups.axis == TOKENS else INT_CHANNELS
         return Stored(kind, fields["codes"], groups.bits, fields["scale"], fields["offset"], group=groups.size,
                       token_scale=norm, scale_mode=NO_SCALE if norm is None else BATCH_SCALE)
 
-    def _keys(self, fields: Fields) -> Stored:
+    def stored_keys(self, fields: Fields, ctx: TorchContext) -> Stored:
         return self._stored(fields, self.recipe.keys, fields["norm"] if self.recipe.token_norm else None)
 
-    def _values(self, fields: Fields) -> Stored:
+    def stored_values(self, fields: Fields, ctx: TorchContext) -> Stored:
         return self._stored(fields, self.recipe.values)
 
     def encode_keys(self, k: torch.Tensor, ctx: TorchContext) -> Fields:
@@ -155,17 +158,10 @@ class IntCodesTriton(TorchMethod):
         return fields
 
     def decode_keys(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
-        return self._rotate(tiles.decode(self._keys(fields), ctx.shape), ctx)
+        return self._rotate(tiles.decode(self.stored_keys(fields, ctx), ctx.shape), ctx)
 
     def encode_values(self, v: torch.Tensor, ctx: TorchContext) -> Fields:
         return quantize(self._rotate(v, ctx), self.recipe.values)
 
     def decode_values(self, fields: Fields, ctx: TorchContext) -> torch.Tensor:
-        return self._rotate(tiles.decode(self._values(fields), ctx.shape), ctx)
-
-    def attend(self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float):
-        """Rotate q once, score the coded keys times the token norm, un-rotate the output once."""
-        b, hq, lq, d = q.shape
-        q_rot = self._rotate(q, ctx).reshape(b, ctx.shape[1], -1, d)
-        out, lse = attention.attend(q_rot, self._keys(kfields), self._values(vfields), scale)
-        return self._rotate(out, ctx).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+        return self._rotate(tiles.decode(self.stored_values(fields, ctx), ctx.shape), ctx)

@@ -3,20 +3,22 @@
 
 Host glue in torch: the norm and the seeded Hadamard rotation (the torch backend's helpers).
 Triton: the triplet encoder and packing (:mod:`kvq_triton.codebook`), the decoder
-(:mod:`kvq_triton.tiles`: rho codebook x direction table per triplet) and the fused attention,
-which rebuilds the rotated keys in registers and scales each logit by the key norm.
+(:mod:`kvq_triton.tiles`: rho codebook x direction table per triplet) and the fused attention
+(:class:`kvq_triton.method.TritonMethod`), which rebuilds the rotated keys in registers and
+scales each logit by the key norm.
 """
 from __future__ import annotations
 
 import torch
 
-from kvq_torch.common import Fields, TorchContext, TorchMethod
-from kvq_torch.rotation import normalize_rotate, rotate_queries, unrotate, unrotate_output
-from kvq_triton import attention, codebook, tiles
+from kvq_torch.common import Fields, TorchContext
+from kvq_torch.rotation import normalize_rotate, rotate, unrotate
+from kvq_triton import codebook, tiles
+from kvq_triton.method import TritonMethod
 from kvq_triton.tiles import DENSE, HEAD_SCALE, TRIPLETS, Stored
 
 
-class OctopusTriton(TorchMethod):
+class OctopusTriton(TritonMethod):
     """Encode to triplet codes; attend scores from the rotated codes."""
 
     def _encode(self, x: torch.Tensor, ctx: TorchContext) -> Fields:
@@ -52,17 +54,19 @@ class OctopusTriton(TorchMethod):
             return fields["data"].to(torch.float32)
         return self._decode(fields, ctx)
 
-    def attend(self, q: torch.Tensor, kfields: Fields, vfields: Fields, ctx: TorchContext, scale: float):
-        """Score gamma_j <R q, v_hat_j> from the codes; un-rotate the output once (rotated values)."""
-        b, hq, lq, d = q.shape
-        hk = ctx.shape[1]
-        q_rot = rotate_queries(q, ctx.consts, hk).reshape(b, hk, -1, d)
-        if self.spec.values == "fp16":
-            values = Stored(DENSE, vfields["data"])
-        else:
-            values = self._stored(vfields, ctx)
-        out, lse = attention.attend(q_rot, self._stored(kfields, ctx), values, scale)
-        out = out.reshape(b, hq, lq, d)
-        if self.spec.values != "fp16":
-            out = unrotate_output(out, ctx.consts, hk)
-        return out, lse.reshape(b, hq, lq)
+    def stored_keys(self, fields: Fields, ctx: TorchContext) -> Stored:
+        return self._stored(fields, ctx)
+
+    def stored_values(self, fields: Fields, ctx: TorchContext) -> Stored:
+        return Stored(DENSE, fields["data"]) if self.spec.values == "fp16" else self._stored(fields, ctx)
+
+    def to_codes(self, x: torch.Tensor, ctx: TorchContext) -> torch.Tensor:
+        """R x per kv head: scores are gamma_j <R q, v_hat_j>."""
+        return rotate(x, ctx.consts)
+
+    def to_values(self, x: torch.Tensor, ctx: TorchContext) -> torch.Tensor:
+        return x.to(torch.float32) if self.spec.values == "fp16" else rotate(x, ctx.consts)
+
+    def from_values(self, out: torch.Tensor, ctx: TorchContext) -> torch.Tensor:
+        """Un-rotate once (coded values live in the rotated domain; fp16 values do not)."""
+        return out.to(torch.float32) if self.spec.values == "fp16" else unrotate(out, ctx.consts)

@@ -106,9 +106,9 @@ PAGED = "kvq_triton.paged:PagedTriton"
 @hookimpl
 def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
     register(BackendInfo(NAME, KERNELS, "kvq_triton.arrays:TritonArrays", is_available,
-                         summary="Triton GPU kernels: packed encode/decode, fused split-KV decode attention "
-                                 "(CUDA; CPU under TRITON_INTERPRET=1)", supports=supports,
-                         torch_ops=True, paged={method: PAGED for method in KERNELS}))
+                         summary="Triton GPU kernels: packed encode/decode, fused split-KV decode attention over a "
+                                 "block or a layer's blocks and exact window (CUDA; CPU under TRITON_INTERPRET=1)",
+                         supports=supports, torch_ops=True, paged={method: PAGED for method in KERNELS}))
 
 
 @hookimpl
