@@ -201,7 +201,9 @@ class Quantizer:
             if state.spec.replace(head_dim=p.spec.head_dim) == p.spec:
                 state = self._state(p.spec.head_dim)
         p = check_packed(p, state.spec, kind, layer, self.arrays)
-        self._bind_heads(self._heads(p.shape, f"packed {kind}"))
+        heads = p.shape[1]
+        if type(heads) is not int or heads != self.kv_heads:  # unbound, another count, or symbolic
+            self._bind_heads(self._heads(p.shape, "packed " + kind))
         return state, p, layer
 
     def _unpack(self, p: Any, kind: str, layer: int | None) -> Any:
