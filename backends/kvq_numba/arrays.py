@@ -17,6 +17,7 @@ from kvq_core.host_arrays import host_all_finite, to_host
 
 #: :mod:`kvq_numba.cpu.finite`, imported on the first finiteness test
 _finite: Any = None
+_F32 = np.dtype(np.float32)
 
 
 def is_cuda_input(x: Any) -> bool:
@@ -31,7 +32,7 @@ def is_cuda_input(x: Any) -> bool:
 
 def as_float32(x: Any) -> np.ndarray:
     """Host input as a C-contiguous float32 array (no copy when it already is one)."""
-    if type(x) is np.ndarray and x.dtype == np.float32 and x.flags.c_contiguous:
+    if type(x) is np.ndarray and x.dtype is _F32 and x.flags.c_contiguous:  # NumPy's native float32 descriptor
         return x
     return np.ascontiguousarray(to_host(x), dtype=np.float32)
 
