@@ -25,12 +25,19 @@ from kvq_core.validate import (
 )
 
 
+#: kernel contexts a quantizer keeps (per block shape and layer) before it starts its cache afresh
+CONTEXTS_KEPT = 64
+
+
 class _Bound(NamedTuple):
     """A quantizer's spec and the kernels built for it: swapped whole, so a thread reads a
-    consistent pair while another binds the head_dim."""
+    consistent pair while another binds the head_dim. ``contexts``: the kernel contexts made for
+    them, by (block shape, layer); None on ``torch_ops`` backends, whose shapes may be symbolic
+    under ``torch.compile``."""
 
     spec: MethodSpec
     kernels: Any
+    contexts: dict[tuple[Any, int], KernelContext] | None = None
 
 
 def _kernels_of(backend: str, method: str) -> Any:
@@ -81,17 +88,20 @@ class Quantizer:
         self.layer = layer
         self.arrays = registry.backend_info(backend).arrays
         self._factory = factory
+        self._keep_contexts = not registry.backend_info(backend).torch_ops
         self._check_supports = registry.backend_info(backend).supports is not None
         self._device_of = getattr(self.arrays, "device_of", None)
         self._bind_lock = threading.Lock()
         self._devices: frozenset[str | None] = frozenset()
-        self._bound = _Bound(spec, factory(spec))
+        self._bound = self._make_bound(spec)
         self._bind_pending = bind_head_dim  # set last: the pair above is in place before anyone binds
 
     def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles (a model deep-copied with its kvq-qat settings) get a lock of their own."""
+        """Copies and pickles (a model deep-copied with its kvq-qat settings) get a lock of their own,
+        and none of the cached kernel contexts."""
         state = self.__dict__.copy()
         del state["_bind_lock"]
+        state["_bound"] = self._bound._replace(contexts={} if self._keep_contexts else None)  # not the cached contexts
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -117,7 +127,10 @@ class Quantizer:
         except SpecError as exc:
             raise InputError(f"the first block has head_dim {head_dim}, which {bound.spec.method} cannot take: "
                              f"{exc.expected}") from None
-        return _Bound(spec, self._factory(spec))
+        return self._make_bound(spec)
+
+    def _make_bound(self, spec: MethodSpec) -> _Bound:
+        return _Bound(spec, self._factory(spec), {} if self._keep_contexts else None)
 
     def _keep(self, state: _Bound) -> None:
         """After a call succeeded with ``state``: bind it if the head_dim is still unbound (under a
@@ -174,7 +187,18 @@ class Quantizer:
 
     @staticmethod
     def _ctx(state: _Bound, shape: tuple[int, int, int, int], layer: int) -> KernelContext:
-        return KernelContext(state.spec, layer, shape, LazyConstants(state.spec, shape[1], layer))
+        """The kernel context of a call on blocks of ``shape``: made once per shape and layer where
+        ``state`` keeps them (a new one costs ~1 us, a tenth of a 1-token attend's Python)."""
+        contexts = state.contexts
+        if contexts is None:
+            return KernelContext(state.spec, layer, shape, LazyConstants(state.spec, shape[1], layer))
+        key = (shape, layer)
+        ctx = contexts.get(key)
+        if ctx is None:
+            if len(contexts) >= CONTEXTS_KEPT:
+                contexts.clear()
+            ctx = contexts[key] = KernelContext(state.spec, layer, shape, LazyConstants(state.spec, shape[1], layer))
+        return ctx
 
     def _pack(self, kind: str, x: Any, layer: int | None) -> PackedKV:
         layer = check_layer(layer, self.layer)
@@ -201,7 +225,9 @@ class Quantizer:
             if state.spec.replace(head_dim=p.spec.head_dim) == p.spec:
                 state = self._state(p.spec.head_dim)
         p = check_packed(p, state.spec, kind, layer, self.arrays)
-        self._bind_heads(self._heads(p.shape, f"packed {kind}"))
+        heads = p.shape[1]
+        if type(heads) is not int or heads != self.kv_heads:  # unbound, another count, or symbolic
+            self._bind_heads(self._heads(p.shape, "packed " + kind))
         return state, p, layer
 
     def _unpack(self, p: Any, kind: str, layer: int | None) -> Any:

@@ -143,7 +143,8 @@ def check_packed(p: Any, spec: MethodSpec, kind: str, layer: int, arrays: ArrayA
         raise InputError(f"expected packed {kind}; got packed {p.kind}")
     if p.spec is not spec and p.spec != spec:  # identity first: traceable by torch.compile
         raise LayoutError(f"packed block was made with {p.spec.describe()}; this quantizer has {spec.describe()}")
-    p.validate(arrays.all_finite)
+    if not p.is_validated():  # a block this quantizer made, or one checked before, is not checked again
+        p.validate(arrays.all_finite)
     if p.layer != layer:
         raise LayoutError(f"packed {kind} record layer {p.layer}; this call decodes with layer {layer}'s constants "
                           f"(pass layer={p.layer} to use that layer's, or use that layer's quantizer)")
@@ -186,7 +187,8 @@ def check_query(q: Any, pk: PackedKV, pv: PackedKV, arrays: ArrayAdapter) -> tup
     shape = getattr(q, "shape", None)
     if shape is None or len(shape) != 4:
         raise InputError(f"query: got shape {None if shape is None else list(shape)}; expected rank 4 [batch, q_heads, q_len, head_dim]")
-    shape = _dims(shape)
+    if type(q) is not np.ndarray:  # a NumPy shape is a tuple of ints already
+        shape = _dims(shape)
     if min(shape) < 1:
         raise InputError(f"query: got empty shape {list(shape)}; every dimension must be >= 1")
     b, hk, t, d = pk.shape

@@ -41,3 +41,15 @@ def test_speed_cli_runs_small(tmp_path) -> None:
     assert res["memcpy_gbps"] > 0.1 and res["targets"] == []  # 32k rows only carry targets
     md = (out / "speed.md").read_text()
     assert "CPU capability" in md and "| oscar | torch | 256 |" in md
+
+
+def test_call_overhead_reports_interleaved_rounds() -> None:
+    """The attend call overhead figure (numba): the best attend round minus the best kernel round, the
+    per-round spread beside it, and the line `kvq bench speed` prints."""
+    pytest.importorskip("numba")
+    o = speed.call_overhead(repeats=3, calls=50)
+    assert o["attend_us"] > 0 and o["kernel_us"] > 0
+    assert o["overhead_us"] == o["attend_us"] - o["kernel_us"] and o["met"] == (o["overhead_us"] <= speed.OVERHEAD_TARGET_US)
+    r = o["overhead_rounds_us"]
+    assert r["min"] <= r["median"] <= r["max"]
+    assert f"overhead **{o['overhead_us']:.1f} us**" in speed._overhead_line(o)

@@ -125,3 +125,57 @@ def test_first_compile_is_announced_and_cached(tmp_path) -> None:
     assert "kvq numba: compiling cpu.intquant.encode_channel_groups" in first
     assert "kvq numba: compiled cpu.intquant.encode_channel_groups in" in first
     assert "kvq numba:" not in second
+
+
+def test_all_finite_agrees_with_numpy() -> None:
+    """The numba adapter's compiled finiteness test (kvq_numba.cpu.finite) answers as NumPy's isfinite(x).all()
+    for float32/float64/float16, contiguous or strided, with one NaN/+Inf/-Inf anywhere (first, inside a
+    vector, in the scalar tail, last), for every float16 bit pattern, and through NumPy for other dtypes."""
+    import numpy as np
+
+    from kvq_numba.arrays import NumbaArrays
+
+    arrays = NumbaArrays()
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64, np.float16):
+        base = rng.standard_normal((3, 5, 37)).astype(dtype)
+        base[0, 0, 0] = np.finfo(dtype).max  # the largest finite values are finite
+        base[0, 0, 1] = -np.finfo(dtype).max
+        for view in (base, base[:, ::2], base.transpose(2, 0, 1), base[..., ::-1]):
+            assert arrays.all_finite(view)
+            for bad in (np.nan, np.inf, -np.inf):
+                for index in ((0, 0, 0), (1, 2, 17), (2, 4, 36), (2, 4, 33)):
+                    x = base.copy()
+                    x[index] = bad
+                    for v in (x, x[:, ::2], x.transpose(2, 0, 1), x[..., ::-1]):
+                        assert arrays.all_finite(v) == bool(np.isfinite(v).all()), (dtype, index, bad)
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    row = np.ones(19, np.float16)
+    for h in halves:
+        row[11] = h
+        assert arrays.all_finite(row) == bool(np.isfinite(h)), h.view(np.uint16)
+    assert arrays.all_finite(np.arange(6)) and arrays.all_finite(np.zeros((2, 0), np.float32))
+
+
+def test_numba_rejects_non_finite_queries_and_blocks() -> None:
+    """The compiled finiteness test still rejects NaN/Inf anywhere in a query or a K/V block, naming the input."""
+    import numpy as np
+
+    from kvq_core import get_quantizer
+    from kvq_core.errors import InputError
+
+    q = get_quantizer("oscar", "numba", head_dim=64, bits=2)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 5, 64)).astype(np.float32)
+    pk, pv = q.encode_keys(x), q.encode_values(x)
+    for bad in (np.nan, np.inf, -np.inf):
+        query = rng.standard_normal((1, 9, 1, 64)).astype(np.float32)
+        query[0, 8, 0, 63] = bad
+        with pytest.raises(InputError, match="query: contains NaN or Inf"):
+            q.attend(query, pk, pv)
+        with pytest.raises(InputError, match="query: contains NaN or Inf"):
+            q.attend(query.astype(np.float16), pk, pv)
+        k = x.copy()
+        k[0, 1, 2, 3] = bad
+        with pytest.raises(InputError, match="keys: contains NaN or Inf"):
+            q.encode_keys(k)

@@ -66,10 +66,12 @@ class _CountingArrays:
         return self.inner.all_finite(x)
 
 
-def test_a_block_is_checked_once_by_identity() -> None:
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("numba", marks=pytest.mark.skipif(
+    not HAS_NUMBA, reason="numba is not installed"))])
+def test_a_block_is_checked_once_by_identity(backend: str) -> None:
     """A quantizer's own blocks are never re-scanned; a block from elsewhere is scanned on first
     use only; replacing a field makes it a new block that is scanned again."""
-    q = kvq_core.get_quantizer("oscar", backend="numpy", head_dim=64)
+    q = kvq_core.get_quantizer("oscar", backend=backend, head_dim=64)
     q.arrays = counting = _CountingArrays(q.arrays)
     x = _x((1, 2, 40, 64))
     pk, pv = q.encode_keys(x), q.encode_values(x)
@@ -94,6 +96,30 @@ def test_a_block_is_checked_once_by_identity() -> None:
     copy.fields["norm"] = bad  # a swapped field is seen
     with pytest.raises(InputError, match="'norm' holds NaN or Inf"):
         q.decode_keys(copy)
+
+
+def test_kernel_contexts_are_reused_bounded_and_not_pickled() -> None:
+    """A host quantizer makes one kernel context per block shape and layer and reuses it (the same
+    results as a fresh quantizer's), keeps at most CONTEXTS_KEPT of them, and pickles none."""
+    import pickle
+
+    from kvq_core.api import CONTEXTS_KEPT
+
+    q = kvq_core.get_quantizer("octopus", backend="numpy", head_dim=64)
+    x = _x((1, 2, 9, 64))
+    pk, pv = q.encode_keys(x), q.encode_values(x)
+    query = _x((1, 4, 1, 64), 1)
+    first = q.attend(query, pk, pv)
+    ctx = q._bound.contexts[(pk.shape, 0)]
+    np.testing.assert_array_equal(q.attend(query, pk, pv), first)
+    assert q._bound.contexts[(pk.shape, 0)] is ctx
+    np.testing.assert_array_equal(kvq_core.get_quantizer("octopus", backend="numpy", head_dim=64).attend(query, pk, pv),
+                                  first)
+    for t in range(1, CONTEXTS_KEPT + 5):
+        q.decode_keys(q.encode_keys(_x((1, 2, t, 64))))
+        assert len(q._bound.contexts) <= CONTEXTS_KEPT
+    assert pickle.loads(pickle.dumps(q))._bound.contexts == {}
+    assert kvq_core.get_quantizer("oscar", backend="torch", head_dim=64)._bound.contexts is None  # symbolic shapes
 
 
 def test_block_dims_dtype_and_layer_are_checked() -> None:

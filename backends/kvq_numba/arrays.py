@@ -3,7 +3,8 @@
 CPU data is NumPy (CPU torch tensors are taken as NumPy views; bfloat16 is widened to float32,
 which NumPy lacks). CUDA data is anything exposing ``__cuda_array_interface__`` (CUDA torch
 tensors, CuPy, numba device arrays) or a numba simulator device array; it stays on the device.
-numba.cuda is never imported here: a CUDA array can only exist once its library is loaded.
+numba.cuda is never imported here: a CUDA array can only exist once its library is loaded, nor numba
+itself until the first finiteness test (the plugin imports this module to register the backend).
 """
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from typing import Any
 import numpy as np
 
 from kvq_core.host_arrays import host_all_finite, to_host
+
+#: :mod:`kvq_numba.cpu.finite`, imported on the first finiteness test
+_finite: Any = None
+_F32 = np.dtype(np.float32)
 
 
 def is_cuda_input(x: Any) -> bool:
@@ -27,7 +32,7 @@ def is_cuda_input(x: Any) -> bool:
 
 def as_float32(x: Any) -> np.ndarray:
     """Host input as a C-contiguous float32 array (no copy when it already is one)."""
-    if type(x) is np.ndarray and x.dtype == np.float32 and x.flags.c_contiguous:
+    if type(x) is np.ndarray and x.dtype is _F32 and x.flags.c_contiguous:  # NumPy's native float32 descriptor
         return x
     return np.ascontiguousarray(to_host(x), dtype=np.float32)
 
@@ -54,7 +59,17 @@ class NumbaArrays:
         return to_host(x)
 
     def all_finite(self, x: Any) -> bool:
-        return host_all_finite(x if type(x) is np.ndarray else self.to_numpy(x))
+        """No NaN or Inf in ``x``: float32/float64/float16 host data in one compiled pass
+        (:mod:`kvq_numba.cpu.finite`), other dtypes through NumPy."""
+        global _finite
+        a = x if type(x) is np.ndarray else self.to_numpy(x)
+        char = a.dtype.char
+        if char != "f" and char != "d" and char != "e":
+            return host_all_finite(a)
+        if _finite is None:
+            from kvq_numba.cpu import finite as _finite
+        flat = a.ravel()  # contiguous (a copy only when a is not): one compiled signature per dtype
+        return bool(_finite.all_finite(flat) if char != "e" else _finite.half_bits_finite(flat.view(np.uint16)))
 
     def cast(self, x: Any, dtype: str) -> Any:
         """``x`` as ``dtype`` (bfloat16, which NumPy lacks, stays float32), on the device it came from."""
@@ -62,6 +77,8 @@ class NumbaArrays:
             target = np.dtype(dtype)
         except TypeError:
             target = np.dtype(np.float32)
+        if type(x) is np.ndarray:  # every host kernel's output
+            return x.astype(target, copy=False)
         if is_cuda_input(x):
             if getattr(x, "dtype", None) == target:
                 return x

@@ -119,12 +119,9 @@ class IntCodesNumba(DeviceRouted):
         """Scores from the codes in the rotated domain (``(Hq)·(Hk) = q·k``); one un-rotation of the output.
         2- and 4-bit rows of whole 8-byte chunks take the vector kernel (cpu_attend_planes), others the general one."""
         b, hq, lq, d = q.shape
-        return threads.run(b * hq * lq * ctx.shape[2] * d, self._attend, q, kfields, vfields, ctx.shape[1], scale)
-
-    def _attend(self, q: Any, kfields: Fields, vfields: Fields, hk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
-        b, hq, lq, d = q.shape
+        _, hk, t, _ = ctx.shape
         kernel, args = self.attend_args(as_float32(q).reshape(b, hk, (hq // hk) * lq, d), kfields, vfields, scale)
-        out, lse = kernel(*args)
+        out, lse = threads.run(b * hq * lq * t * d, kernel, *args)
         return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
 
     def attend_args(self, qo: np.ndarray, kfields: Fields, vfields: Fields, scale: float) -> tuple[Any, tuple[Any, ...]]:

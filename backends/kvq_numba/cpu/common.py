@@ -12,6 +12,7 @@ from numba import njit
 
 #: 2**(e - 25) for float16 exponent field e (e = 0: subnormals, scale 2**-24), as float32.
 _POW2 = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 31)] + [np.inf], dtype=np.float32)
+_F16, _U16 = np.dtype(np.float16), np.dtype(np.uint16)
 
 
 @njit(inline="always", cache=True)
@@ -93,8 +94,8 @@ def sum_squares(a, n) -> np.float32:
 
 def half_bits(a: np.ndarray) -> np.ndarray:
     """A float16 array as its contiguous uint16 bit patterns (no copy when already contiguous)."""
-    if a.dtype == np.float16 and a.flags.c_contiguous:
-        return a.view(np.uint16)
+    if a.dtype is _F16:  # NumPy's native float16 descriptor: the stored fields' (4 per attend call)
+        return np.ascontiguousarray(a).view(_U16)
     return np.ascontiguousarray(a, dtype=np.float16).view(np.uint16)
 
 
