@@ -210,6 +210,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
         kstat = np.empty(2 * d, np.uint8)
         nbuf = np.empty(4, np.uint8)
         nval = nbuf.view(np.float32)
+        knw = kn[:kn.shape[0] - kn.shape[0] % 4].view(np.float32)
         ksf = np.empty(d, np.float32)
         kof = np.empty(d, np.float32)
         ksp = np.empty(d, np.float32)
@@ -253,7 +254,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                 if use_norm:
                     token_rows(table, req, 0, t0, n, desc[F_KN], na)
                     for i in range(n):
-                        tok[i] = scale * heads_f32(kn, na[i], desc[F_KN], nbuf, nval)
+                        tok[i] = scale * heads_f32(kn, knw, na[i], desc[F_KN], nbuf, nval)
                 else:
                     for i in range(n):
                         tok[i] = scale
