@@ -18,6 +18,7 @@ from kvq_numba.cpu.common import half_to_float
 from kvq_numba.cpu.octopus import decode_rows_at
 from kvq_numba.cpu.paged import (CODES, DESC, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH, half_at,
                                  mask_block, start_job, store_partial, token_rows)
+from kvq_numba.cpu.simd import prefetch_bytes
 from kvq_numba.cpu.tiles import ROWS, logits, weighted_rows
 
 #: tokens per online-softmax block (two decoded [BLOCK, d] blocks stay in L1 at d = 128)
@@ -86,6 +87,10 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                 n = min(BLOCK, jobs[job, J_T1] - t0)
                 token_rows(table, req, h, t0, n, desc[F_KC], ka)
                 token_rows(table, req, h, t0, n, desc[F_KN], na)
+                ahead = t0 + BLOCK < jobs[job, J_T1]  # prefetch the next block's rows where they follow on
+                if ahead:
+                    prefetch_bytes(kc, ka[n - 1] + krb, n * krb)
+                    prefetch_bytes(kn, na[n - 1] + 4, n * 4)
                 _floats(kn, na, n, nb4, tok)
                 for i in range(n):
                     tok[i] *= scale
@@ -95,6 +100,8 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                 online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
                 if values_fp16:
                     token_rows(table, req, h, t0, n, desc[F_VH], va)
+                    if ahead:
+                        prefetch_bytes(vh, va[n - 1] + 2 * d, n * 2 * d)
                     for i in range(n):
                         for c in range(d):
                             vflat[i * d + c] = half_to_float(half_at(vh, va[i] + 2 * c))
@@ -102,6 +109,9 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                 else:
                     token_rows(table, req, h, t0, n, desc[F_VC], va)
                     token_rows(table, req, h, t0, n, desc[F_VN], na)
+                    if ahead:
+                        prefetch_bytes(vc, va[n - 1] + vrb, n * vrb)
+                        prefetch_bytes(vn, na[n - 1] + 4, n * 4)
                     _floats(vn, na, n, nb4, vgam)
                     decode_rows_at(vc, va, n, vrb, bits, code_table, vbuf)
                 for r in range(ROWS):

@@ -30,7 +30,8 @@ from kvq_numba.cpu.attend import online_softmax
 from kvq_numba.cpu.paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH,
                                  gather_rows_bytes, heads_f32, row_addr, mask_block, start_job, store_partial,
                                  token_rows)
-from kvq_numba.cpu.simd import bytes8, halves, plane, vaccumulate, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
+from kvq_numba.cpu.simd import (bytes8, halves, plane, prefetch_bytes, vaccumulate, vfma, vhsum, vload, vmul, vsplat,
+                                vstore, vzero)
 from kvq_numba.cpu.tiles import ROWS
 
 #: most tokens per online-softmax block (rounded down to whole key groups, at least one group)
@@ -210,6 +211,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
         kstat = np.empty(2 * d, np.uint8)
         nbuf = np.empty(4, np.uint8)
         nval = nbuf.view(np.float32)
+        knw = kn[:kn.shape[0] - kn.shape[0] % 4].view(np.float32)
         ksf = np.empty(d, np.float32)
         kof = np.empty(d, np.float32)
         ksp = np.empty(d, np.float32)
@@ -253,10 +255,17 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                 if use_norm:
                     token_rows(table, req, 0, t0, n, desc[F_KN], na)
                     for i in range(n):
-                        tok[i] = scale * heads_f32(kn, na[i], desc[F_KN], nbuf, nval)
+                        tok[i] = scale * heads_f32(kn, knw, na[i], desc[F_KN], nbuf, nval)
                 else:
                     for i in range(n):
                         tok[i] = scale
+                if t0 + sb < jobs[job, J_T1]:  # the next block's rows, where they follow on (contiguous blocks)
+                    prefetch_bytes(kc, ka[n - 1] + rb, n * rb)
+                    prefetch_bytes(vc, va[n - 1] + rb, n * rb)
+                    prefetch_bytes(vs, sa[n - 1] + 2 * nvg, n * 2 * nvg)
+                    prefetch_bytes(vo, oa[n - 1] + 2 * nvg, n * 2 * nvg)
+                    if use_norm:
+                        prefetch_bytes(kn, na[n - 1] + 4, n * 4)
                 i = 0
                 while i < n:  # one key group at a time
                     grp = (t0 + i) // kgroup

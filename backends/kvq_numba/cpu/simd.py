@@ -199,6 +199,32 @@ def halves8(typingctx, arr, idx):  # noqa: ANN001, ANN201
     return f32x8(arr, idx), codegen
 
 
+_P8 = ir.IntType(8).as_pointer()
+#: bytes per cache line (prefetch granularity)
+LINE = 64
+
+
+@intrinsic
+def prefetch(typingctx, arr, idx):  # noqa: ANN001, ANN201
+    """Hint: bring the cache line of ``arr[idx]`` (1-D) in ahead of use (``llvm.prefetch``, read,
+    all cache levels). Never faults: an address past the array only wastes the hint."""
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), _P8)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_P8, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.void(arr, idx), codegen
+
+
+@njit(inline="always", cache=True)
+def prefetch_bytes(buf, start, nbytes) -> None:
+    """:func:`prefetch` every cache line of ``buf[start:start + nbytes]`` (clipped to ``buf``)."""
+    for x in range(max(start, 0), min(start + nbytes, buf.shape[0]), LINE):
+        prefetch(buf, x)
+
+
 @njit(inline="always", cache=True)
 def vaccumulate(acc, pos, v) -> None:
     """``acc[pos:pos+8] += v`` for a 1-D float32 array."""

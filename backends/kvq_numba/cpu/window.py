@@ -119,12 +119,14 @@ def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence
     starts = np.zeros(len(blocks) + 1, np.int64)
     starts[1:] = np.cumsum([tokens for _, _, tokens in blocks])
     coded = int(starts[-1])
-    tiles = -(-(lq * g) // ROWS) * b
-    align = int(np.lcm.reduce([a for _, a, _ in blocks])) if blocks else 1
     nthreads = threads.count()
     chunks = paged.chunks(nthreads)
-    jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, paged.split_tokens(tiles * coded * nhk, align,
-                                                                                           nthreads))
+    if nthreads == 1:  # one job per block and tile: splits only pay off spread over threads
+        split = max(coded, 1)
+    else:
+        align = int(np.lcm.reduce([a for _, a, _ in blocks])) if blocks else 1
+        split = paged.split_tokens(-(-(lq * g) // ROWS) * b * coded * nhk, align, nthreads)
+    jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, split)
     local = local_jobs(jobs, segment, starts)
     pm = np.empty((jobs.shape[0], ROWS), np.float32)
     pl = np.empty((jobs.shape[0], ROWS), np.float32)
