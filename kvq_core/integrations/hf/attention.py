@@ -5,8 +5,10 @@ sdpa mask builder under the same name) by :func:`register`; a model loaded with
 ``attn_implementation="kvq"`` then routes every attention call here.
 
 - Called with K/V that a :class:`~kvq_core.integrations.hf.layer.KVQLayer` returned in codes mode (the
-  key tensor carries a ``kvq_context``) and packed blocks to read: where the backend has a fused
-  kernel (``Quantizer.fuses_window``: numba on the CPU) and the mask is the plain causal one, one
+  key tensor carries a ``kvq_context``) and packed blocks to read: where the backend fuses the
+  window (``Quantizer.fuses_window``: numba on the CPU for 2- and 4-bit OScaR/KIVI, OCTOPUS and TurboQuant,
+  every torch-tensor backend through the ``kvq::attend_window`` op, whose Triton kernel is one
+  fused launch on CUDA) and the mask is the plain causal one, one
   ``Quantizer.attend_window(q, blocks, window_k, window_v, scale)`` call per layer and step scores
   every block and the full-precision window in one online softmax. Otherwise the blocks are
   scored with ``Quantizer.attend(q, pk, pv, scale, return_lse=True)`` block by block, the window
