@@ -31,6 +31,7 @@ EXTRAS_BY_PREFIX: dict[str, tuple[str, ...]] = {
     "kvq_core": (),
     "kvq_core/integrations/hf": ("hf", "torch"),
     "kvq_core/tools/eval": ("hf", "torch"),
+    "kvq_core/tools/eval/caches.py": ("hf", "torch", "bench"),  # + the PyPI turboquant cache `kvq bench decode` compares
     "kvq_core/tools/bench": ("bench", "torch"),
     "kvq_core/tools/bench/decode.py": ("bench", "hf", "torch"),  # decodes SmolLM2 through transformers caches
     "kvq_core/testing": ("dev",),
@@ -202,8 +203,8 @@ def test_an_undeclared_import_is_reported(tmp_path, monkeypatch) -> None:
     core = tmp_path / "kvq_core"
     (core / "methods").mkdir(parents=True)
     (core / "methods" / "qjl.py").write_text("import math\nfrom scipy.special import gammaln\n", encoding="utf-8")
-    (core / "eval").mkdir()
-    (core / "eval" / "text.py").write_text("def f():\n    import transformers\n    import triton\n", encoding="utf-8")
+    (core / "tools" / "eval").mkdir(parents=True)
+    (core / "tools" / "eval" / "text.py").write_text("def f():\n    import transformers\n    import triton\n", encoding="utf-8")
     (tmp_path / "backends" / "kvq_torch").mkdir(parents=True)
     (tmp_path / "backends" / "kvq_torch" / "ops.py").write_text("import torch\nimport triton\n", encoding="utf-8")
     (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text(encoding="utf-8"), encoding="utf-8")
@@ -211,9 +212,9 @@ def test_an_undeclared_import_is_reported(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(sys.modules[__name__], "SOURCES", (tmp_path / "kvq_core", tmp_path / "backends"))
     problems = undeclared_imports()
     assert [p.split(" ")[0] for p in problems] == [
-        "kvq_core/tools/eval/text.py:3", "kvq_core/methods/qjl.py:2", "backends/kvq_torch/ops.py:2"]
-    assert "'scipy'" in problems[1] and "the core dependencies" in problems[1]
-    assert "extras ['hf', 'torch']" in problems[0]
+        "kvq_core/methods/qjl.py:2", "kvq_core/tools/eval/text.py:3", "backends/kvq_torch/ops.py:2"]
+    assert "'scipy'" in problems[0] and "the core dependencies" in problems[0]
+    assert "extras ['hf', 'torch']" in problems[1]
 
 
 @pytest.mark.parametrize(("rel", "extras"), [
