@@ -50,6 +50,23 @@ def _attend_block(q, m_i, l_i, acc, n0, end, bh, d, kc, ka, kb, ks, vc, va, vb, 
 
 
 @triton.jit
+def split_start(q_ptr, R, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr):
+    """A split program's start, shared by the split kernels: its (batch x kv head, query rows
+    ``BM`` of ``R``, split) coordinates, the channel index ``d`` [1, DP], which rows exist, the
+    rows' queries ``q`` [BM, DP] (zeros past ``D`` and past ``R``) and the empty online-softmax
+    state (max -inf, sum 0, output 0)."""
+    bh = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    d = tl.arange(0, DP)[None, :]
+    row_ok = rows < R
+    q = tl.load(q_ptr + (bh.to(tl.int64) * R + rows[:, None]) * D + d, mask=row_ok[:, None] & (d < D), other=0.0)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, DP), tl.float32)
+    return bh, rows, tl.program_id(2), d, row_ok, q, m_i, l_i, acc
+
+
+@triton.jit
 def _attend_split_kernel(
     q_ptr, kc, ka, kb, ks, vc, va, vb, vs, o_part, m_part, l_part,
     R, T, HK, k_nb, k_nstat, v_nb, v_nstat, scale, tokens_per_split, n_splits,
@@ -59,15 +76,7 @@ def _attend_split_kernel(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SPAN: tl.constexpr, V_GROUP: tl.constexpr,
     V_RHO: tl.constexpr, V_SCALE: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
-    split = tl.program_id(2)
-    d = tl.arange(0, DP)[None, :]
-    row_ok = rows < R
-    q = tl.load(q_ptr + (bh.to(tl.int64) * R + rows[:, None]) * D + d, mask=row_ok[:, None] & (d < D), other=0.0)
-    m_i = tl.full((BM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BM,), tl.float32)
-    acc = tl.zeros((BM, DP), tl.float32)
+    bh, rows, split, d, row_ok, q, m_i, l_i, acc = split_start(q_ptr, R, D, DP, BM)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, T)
     if INTERPRETER:  # run-time loop bounds: see kvq_triton.config.INTERPRETER

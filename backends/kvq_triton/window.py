@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq_triton.attention import _attend_block, _combine_kernel, precision, stored_constexprs, tile_sizes
+from kvq_triton.attention import _attend_block, _combine_kernel, precision, split_start, stored_constexprs, tile_sizes
 from kvq_triton.config import INTERPRETER
 from kvq_triton.tiles import Stored, kernel_args
 
@@ -93,15 +93,7 @@ def _window_kernel(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_SPAN: tl.constexpr, V_GROUP: tl.constexpr,
     V_RHO: tl.constexpr, V_SCALE: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
-    split = tl.program_id(2)
-    d = tl.arange(0, DP)[None, :]
-    row_ok = rows < R
-    q = tl.load(q_ptr + (bh.to(tl.int64) * R + rows[:, None]) * D + d, mask=row_ok[:, None] & (d < D), other=0.0)
-    m_i = tl.full((BM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BM,), tl.float32)
-    acc = tl.zeros((BM, DP), tl.float32)
+    bh, rows, split, d, row_ok, q, m_i, l_i, acc = split_start(q_ptr, R, D, DP, BM)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, window_tile + tl.cdiv(W, BN))
     i = 0

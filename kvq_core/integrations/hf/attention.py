@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from kvq_core.errors import InputError, KVQError
-from kvq_core.integrations.hf.layer import to_torch
+from kvq_core.integrations.hf.layer import all_finite, to_torch
 from kvq_core.integrations.hf.view import CodesContext, context_of
 
 NAME = "kvq"
@@ -178,7 +178,7 @@ def kvq_attention(
             raise KVQError("kvq attention from codes supports plain softmax attention only (no softcap, no sinks)")
         if dropout and module.training:
             raise KVQError("kvq attention from codes is for inference; got dropout in training mode")
-        if not bool(torch.isfinite(query).all()):
+        if not all_finite(query, ctx.layer.kq):
             raise InputError(f"kvq attention, layer {ctx.layer.layer_idx}: the query contains NaN or Inf")
         if not ctx.blocks and not ctx.history and ctx.flushed is None:
             return _sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)  # all exact: a prefill

@@ -50,6 +50,15 @@ def to_torch(x: Any, device: torch.device | str | None = None, dtype: torch.dtyp
     return t.to(device=device if device is not None else t.device, dtype=dtype if dtype is not None else t.dtype)
 
 
+def all_finite(x: torch.Tensor, quantizer: Quantizer | None) -> bool:
+    """No NaN or Inf in ``x``: a CPU tensor through the quantizer's array adapter (numba's is one compiled
+    pass, ~1.5 us for a decode step's K/V, against ~20 us for ``torch.isfinite(x).all()`` on one thread),
+    else, or before the layer has a quantizer, through torch on the tensor's device."""
+    if quantizer is not None and x.device.type == "cpu":
+        return bool(quantizer.arrays.all_finite(x))
+    return bool(torch.isfinite(x).all())
+
+
 class KVQLayer(DynamicLayer):
     """One attention layer: packed blocks (append-only) plus a full-precision window.
 
@@ -174,7 +183,7 @@ class KVQLayer(DynamicLayer):
                 if x.shape[:2] != stored.shape[:2]:
                     raise InputError(f"layer {self.layer_idx}: {what} have batch and kv_heads {list(x.shape[:2])}; "
                                      f"the cache holds {list(stored.shape[:2])}")
-            if not bool(torch.isfinite(x).all()):
+            if not all_finite(x, self.kq if what == "keys" else self.vq):
                 raise InputError(f"layer {self.layer_idx}: {what} contain NaN or Inf; kvq rejects non-finite input "
                                  "before storing anything (window included)")
         if key_states.shape[:3] != value_states.shape[:3]:
