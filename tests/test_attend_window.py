@@ -46,10 +46,40 @@ def _reference(ref, q, blocks, wk, wv, scale):
     return np.einsum("bhqt,bhtd->bhqd", p / s, v), (top + np.log(s))[..., 0]
 
 
+#: block lengths: numba's int-code kernels run one or two blocks in one compiled call, more through its plan
+LENGTHS = [(160,), (160, 64), (160, 64, 33)]
+
+
 @pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{'-'.join(map(str, p.values()))}" for m, p in CASES])
 @pytest.mark.parametrize("q_len", [1, 5])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_attend_window_equals_attention_over_decoded_blocks_and_window(backend, method, params, q_len):
+@pytest.mark.parametrize("lengths", LENGTHS, ids=[f"{len(x)}blocks" for x in LENGTHS])
+def test_attend_window_equals_attention_over_decoded_blocks_and_window(backend, method, params, q_len, lengths):
+    if backend == "triton" and len(lengths) < 3:
+        pytest.skip("the Triton kernel reads any number of blocks through one table: three cover it")
+    _check_against_reference(backend, method, params, q_len, lengths)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=[f"{len(x)}blocks" for x in LENGTHS])
+def test_numba_attend_window_split_across_threads(monkeypatch, lengths):
+    """Above the work threshold the plan splits each block's tokens over the threads (jobs in
+    chunks, then the combine): the same results."""
+    numba = pytest.importorskip("numba")
+    from kvq_numba import threads
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here")
+    monkeypatch.setattr(threads, "PARALLEL_MIN_WORK", 0)
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        for method, params in CASES[:3]:
+            _check_against_reference("numba", method, params, 1, tuple(t * 8 for t in lengths))
+    finally:
+        numba.set_num_threads(before)
+
+
+def _check_against_reference(backend, method, params, q_len, lengths):
     pytest.importorskip(backend)
     rng = np.random.default_rng(q_len)
     fused = get_quantizer(method, backend, head_dim=64, **params)
@@ -57,7 +87,7 @@ def test_attend_window_equals_attention_over_decoded_blocks_and_window(backend, 
     ref = get_quantizer(method, "numpy", head_dim=64, **params)
     b, hk, g, d, w = 2, 3, 3, 64, 12
     blocks = []
-    for t in (160, 64, 33):
+    for t in lengths:
         k = rng.standard_normal((b, hk, t, d), dtype=np.float32)
         v = rng.standard_normal((b, hk, t, d), dtype=np.float32)
         blocks.append((fused.encode_keys(host(k)), fused.encode_values(host(v))))

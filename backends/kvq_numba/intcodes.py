@@ -61,6 +61,11 @@ class IntCodesNumba(DeviceRouted):
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
 
     @functools.cached_property
+    def _block_tokens(self) -> int:
+        """Tokens per online-softmax block of the vector kernel: what a token split must be a multiple of."""
+        return int(cpu_attend_planes.block_tokens(self.key_group))
+
+    @functools.cached_property
     def _fits_planes(self) -> bool:
         """Whether code rows take the vector kernel (cpu_attend_planes: 2- and 4-bit rows of whole 8-byte chunks)."""
         return cpu_attend_planes.fits(self.bits, self.spec.head_dim, self.value_group)
@@ -169,7 +174,9 @@ class IntCodesNumba(DeviceRouted):
 
     def attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                       ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
-        """Packed blocks then an exact window in one plan and one combine (:mod:`kvq_numba.cpu.window`)."""
+        """Packed blocks then an exact window in one plan and one combine: one or two blocks (a KVQCache
+        layer at almost every decode step) in one compiled call (:func:`kvq_numba.cpu.attend_planes.planes_window`),
+        more through :func:`kvq_numba.cpu.window.run`."""
         b, hq, lq, d = q.shape
         work = b * hq * lq * (ctx.shape[2] + window_k.shape[2]) * d
         return threads.run(work, self._attend_window, q, blocks, window_k, window_v, ctx.shape[1], scale)
@@ -178,6 +185,15 @@ class IntCodesNumba(DeviceRouted):
                        hk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
         b, hq, lq, d = q.shape
         g = hq // hk
+        if 1 <= len(blocks) <= 2:  # a KVQCache layer's usual state: everything in one compiled call
+            prepared = [cpu_attend_planes.contiguous_block(*self._block_args(kf, vf, scale)) for kf, vf, _ in blocks]
+            prepared += prepared[:1] * (2 - len(prepared))  # an absent second block: 0 tokens, never read
+            tokens = np.array([t for _, _, t in blocks] + [0] * (2 - len(blocks)), np.int64)
+            split, chunks = cpu_window.split_plan(b, lq, g, hk, int(tokens.sum()), [self._block_tokens])
+            return cpu_attend_planes.planes_window(
+                as_float32(q), as_float32(window_k), as_float32(window_v), self.rotation, self.inv_sqrt_d,
+                (prepared[0][0], prepared[1][0]), (prepared[0][1], prepared[1][1]), tokens,
+                self.token_scaling, self.bits, self.key_group, self.value_group, np.float32(scale), split, chunks)
         to_keys, back = self.domains(None)
         qo = cpu_window.grouped_queries(as_float32(q), hk)
         qc = to_keys(qo[None])[0]

@@ -22,17 +22,21 @@ Rows past the query count in the last tile are zeros; their results are dropped.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu import paged
 from kvq_numba.cpu.attend import online_softmax
+from kvq_numba.cpu.common import fwht_block
 from kvq_numba.cpu.paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH,
                                  gather_rows_bytes, heads_f32, row_addr, mask_block, start_job, store_partial,
                                  token_rows)
 from kvq_numba.cpu.simd import (bytes8, halves, plane, prefetch_bytes, vaccumulate, vfma, vhsum, vload, vmul, vsplat,
                                 vstore, vzero)
 from kvq_numba.cpu.tiles import ROWS
+from kvq_numba.cpu.window import local_jobs, plan_segments
 
 #: most tokens per online-softmax block (rounded down to whole key groups, at least one group)
 BLOCK = 128
@@ -293,11 +297,19 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
             store_partial(job, m, l, out, pm, pl, pacc)
 
 
-def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
-    """``(jobs_fn, align)``: :func:`planes_jobs` over one contiguous block (the trivial page table:
-    request ``b`` is batch element ``b``), for :func:`kvq_numba.cpu.paged.run` and its kin."""
-    nhk, nt, rb = kcodes.shape[1], kcodes.shape[2], kcodes.shape[3]
-    nkg, d = kscale.shape[2], kscale.shape[3]
+def contiguous_block(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
+    """``(buffers, desc)``: one contiguous block's seven field buffers (flat bytes, no copy) and their
+    descriptor rows, as :func:`planes_jobs` reads them (the trivial page table: request ``b`` is batch
+    element ``b``). Takes a block's whole argument tuple (``IntCodesNumba._block_args``)."""
+    bufs = tuple(_bytes(a) for a in (kcodes, kscale, koffset, knorm, vcodes, vscale, voffset))
+    return bufs, _contiguous_desc(kcodes.shape[1], kcodes.shape[2], kcodes.shape[3], kscale.shape[2], kscale.shape[3],
+                                  vgroup, bool(use_norm))
+
+
+@functools.lru_cache(maxsize=256)
+def _contiguous_desc(nhk: int, nt: int, rb: int, nkg: int, d: int, vgroup: int, use_norm: bool) -> np.ndarray:
+    """The descriptor rows of a contiguous block of these shapes, shared by every block of them (never written:
+    a read-only flag would give the kernels a second compiled signature)."""
     nvg = d // vgroup
     desc = np.zeros((7, DESC), np.int64)
     #        rows per block, block stride, head stride, row stride, offset, width, group rows
@@ -306,12 +318,79 @@ def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, vo
     desc[F_KN] = (nt, nt * 4, 0, 4, 0, 4, 1) if use_norm else 0
     desc[F_VC] = desc[F_KC]
     desc[F_VS] = desc[F_VO] = (nt, nhk * nt * 2 * nvg, nt * 2 * nvg, 2 * nvg, 0, 2 * nvg, 1)
-    bufs = [_bytes(a) for a in (kcodes, kscale, koffset, knorm, vcodes, vscale, voffset)]
+    return desc
+
+
+def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
+    """``(jobs_fn, align)``: :func:`planes_jobs` over one contiguous block (:func:`contiguous_block`),
+    for :func:`kvq_numba.cpu.paged.run` and its kin."""
+    bufs, desc = contiguous_block(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup,
+                                  vgroup, scale)
     scale = np.float32(scale)
 
     def jobs_fn(qh, jobs, first, row_lo, g, table, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
         planes_jobs(qh, jobs, first, row_lo, g, table, chunks, *bufs, desc, use_norm, bits, kgroup, vgroup, scale, pm, pl, pacc)
     return jobs_fn, int(block_tokens(kgroup))
+
+
+@njit(cache=True)
+def planes_window(q, tk, tv, rotate, inv_sqrt_d, bufs, desc, tokens, use_norm, bits, kgroup, vgroup, scale, split,
+                  chunks):
+    """``(out [b, q_heads, q_len, d], lse [b, q_heads, q_len])``: a decode step over up to two contiguous
+    blocks then the exact window ``tk`` / ``tv`` float32 [b, kv_heads, w, d], in one compiled call.
+    Block ``s`` (``s < 2``) has ``tokens[s]`` tokens (0: absent), its seven field buffers in
+    ``bufs[s]`` and its descriptor rows in ``desc[s]`` (:func:`contiguous_block`). It does what
+    :func:`kvq_numba.cpu.window.run` does for a list of blocks (group the queries, rotate them into the
+    keys' domain when ``rotate``, plan, CODES jobs, their partials rotated back, TAIL jobs, combine,
+    ungroup) without its Python-level steps and their kernel launches (~120 us a call). A KVQCache layer
+    holds one or two blocks at almost every step (:data:`kvq_core.integrations.hf.flush.JOIN_RATIO`)."""
+    b, hq, lq, d = q.shape
+    nhk, w = tk.shape[1], tk.shape[2]
+    g = hq // nhk
+    rows = lq * g
+    qo = np.empty((nhk, b * rows, d), np.float32)
+    for bi in range(b):
+        for h in range(nhk):
+            for t in range(lq):
+                for gi in range(g):
+                    qo[h, (bi * lq + t) * g + gi] = q[bi, h * g + gi, t]
+    qc = qo.copy()
+    if rotate:
+        fwht_block(qc.reshape(nhk * b * rows, d), qc.reshape(nhk * b * rows, d), inv_sqrt_d)
+    nseg = 2 if tokens[1] > 0 else 1
+    starts = np.zeros(nseg + 1, np.int64)
+    for s in range(nseg):
+        starts[s + 1] = starts[s] + tokens[s]
+    coded = starts[nseg]
+    jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, split)
+    local = local_jobs(jobs, segment, starts)
+    pm = np.empty((jobs.shape[0], ROWS), np.float32)
+    pl = np.empty((jobs.shape[0], ROWS), np.float32)
+    pacc = np.empty((jobs.shape[0], ROWS * d), np.float32)
+    row_lo = np.arange(b) * rows
+    first = np.full(b, coded + w - lq, np.int64)
+    table = np.arange(b).reshape(b, 1)
+    for s in range(nseg):
+        kc, ks, ko, kn, vc, vs, vo = bufs[s]
+        planes_jobs(qc, local[s], first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc[s], use_norm, bits,
+                    kgroup, vgroup, scale, pm, pl, pacc)
+    if rotate:  # partials from the values' domain back to the original one (linear: unnormalised is fine)
+        flat = pacc.reshape(jobs.shape[0] * ROWS, d)
+        fwht_block(flat, flat, inv_sqrt_d)
+    paged.tail_jobs(qo, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b), scale, pm,
+                    pl, pacc)
+    o = np.zeros((nhk, b * rows, d), np.float32)
+    lo = np.zeros((nhk, b * rows), np.float32)
+    paged.combine(jobs, groups, pm, pl, pacc, o, lo)
+    out = np.empty((b, hq, lq, d), np.float32)
+    lse = np.empty((b, hq, lq), np.float32)
+    for bi in range(b):
+        for h in range(nhk):
+            for t in range(lq):
+                for gi in range(g):
+                    out[bi, h * g + gi, t] = o[h, (bi * lq + t) * g + gi]
+                    lse[bi, h * g + gi, t] = lo[h, (bi * lq + t) * g + gi]
+    return out, lse
 
 
 def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):

@@ -10,9 +10,12 @@ kernel runs on its own jobs (:func:`local_jobs`: token range in the block's coor
 others marked :data:`SKIP`); the codes' partial outputs are brought back from the values' domain
 (linear, so the unnormalised partials can be), the tail jobs score the window with the original
 queries, and one log-sum-exp combine merges everything. No per-block output, no merge in torch.
+The int-code kernels run one or two blocks (a KVQCache layer's usual state) through the same steps
+compiled into one call (:func:`kvq_numba.cpu.attend_planes.planes_window`).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -105,6 +108,16 @@ def ungrouped(x: np.ndarray, b: int, lq: int, g: int) -> np.ndarray:
     return np.ascontiguousarray(y).reshape(b, hk * g, lq, *tail)
 
 
+def split_plan(b: int, lq: int, g: int, nhk: int, coded: int, aligns: Sequence[int]) -> tuple[int, int]:
+    """``(split, chunks)`` of a window plan over ``coded`` tokens in blocks whose splits are multiples of
+    ``aligns``: on one thread one job per block and tile (splits only pay off spread over threads)."""
+    nthreads = threads.count()
+    if nthreads == 1:
+        return max(coded, 1), paged.chunks(1)
+    align = int(np.lcm.reduce(list(aligns))) if aligns else 1
+    return paged.split_tokens(-(-(lq * g) // ROWS) * b * coded * nhk, align, nthreads), paged.chunks(nthreads)
+
+
 def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence[tuple[paged.JobsFn, int, int]],
         window: tuple[np.ndarray, np.ndarray], values_back: paged.BackFn | None,
         scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -116,18 +129,11 @@ def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence
     nhk, _, d = q.shape
     tk, tv = window
     w = tk.shape[2]
-    starts = np.zeros(len(blocks) + 1, np.int64)
-    starts[1:] = np.cumsum([tokens for _, _, tokens in blocks])
+    starts = np.array([0, *itertools.accumulate(tokens for _, _, tokens in blocks)], np.int64)
     coded = int(starts[-1])
-    nthreads = threads.count()
-    chunks = paged.chunks(nthreads)
-    if nthreads == 1:  # one job per block and tile: splits only pay off spread over threads
-        split = max(coded, 1)
-    else:
-        align = int(np.lcm.reduce([a for _, a, _ in blocks])) if blocks else 1
-        split = paged.split_tokens(-(-(lq * g) // ROWS) * b * coded * nhk, align, nthreads)
+    split, chunks = split_plan(b, lq, g, nhk, coded, [a for _, a, _ in blocks])
     jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, split)
-    local = local_jobs(jobs, segment, starts)
+    local = local_jobs(jobs, segment, starts) if len(blocks) > 1 else jobs[None]  # one block: its coordinates
     pm = np.empty((jobs.shape[0], ROWS), np.float32)
     pl = np.empty((jobs.shape[0], ROWS), np.float32)
     pacc = np.empty((jobs.shape[0], ROWS * d), np.float32)

@@ -137,8 +137,9 @@ def attend_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ct
         vis_w, vis_p = vis[..., n_packed:], vis[..., :n_packed]
     if (ctx.blocks and not h and ctx.flushed is None and layer.same_spec and layer.kq.fuses_window(query)
             and _plain_causal(vis_w, vis_p, lq)):
-        out, _ = layer.kq.attend_window(query, ctx.blocks, key, value, scale)
+        out, _ = layer.kq.attend_window(query, ctx.blocks, key, value, scale)  # checks the query
         return to_torch(out, query.device, query.dtype)
+    check_query_finite(query, ctx)  # before any part is computed: some never reach the quantizer
     if attention_mask is None and lq > 1:
         vis_w = _causal_visible(lq, w, query.device)
     parts = []
@@ -156,6 +157,13 @@ def attend_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ct
                 out, lse = layer.kq.attend(query, pk, pv, scale=scale, return_lse=True)
                 parts.append((to_torch(out, query.device, torch.float32), to_torch(lse, query.device, torch.float32)))
     return merge_attention(parts).to(query.dtype)
+
+
+def check_query_finite(query: torch.Tensor, ctx: CodesContext) -> None:
+    """InputError for a query holding NaN or Inf (attention from codes is all or nothing: the caller rolls
+    the step back)."""
+    if not all_finite(query, ctx.layer.kq):
+        raise InputError(f"kvq attention, layer {ctx.layer.layer_idx}: the query contains NaN or Inf")
 
 
 def kvq_attention(
@@ -178,8 +186,8 @@ def kvq_attention(
             raise KVQError("kvq attention from codes supports plain softmax attention only (no softcap, no sinks)")
         if dropout and module.training:
             raise KVQError("kvq attention from codes is for inference; got dropout in training mode")
-        if not all_finite(query, ctx.layer.kq):
-            raise InputError(f"kvq attention, layer {ctx.layer.layer_idx}: the query contains NaN or Inf")
+        if not ctx.blocks:  # with blocks, attend_codes checks it (the fused call: Quantizer.attend_window)
+            check_query_finite(query, ctx)
         if not ctx.blocks and not ctx.history and ctx.flushed is None:
             return _sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)  # all exact: a prefill
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
