@@ -78,13 +78,13 @@ def step_view(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, bas
         # the visible tokens over decoded, so K/V match the mask transformers builds
         keys, values = _visible(layer, base, first)
         if layer.codes_mode or flushed is not None:
-            keys = keys.view(keys.shape)
+            keys = keys.view_as(keys)
             attach_context(keys, CodesContext(layer, (), 0, history=max(base - first, 0), flushed=flushed))
             if layer.codes_mode:
                 layer.mark_pending()
     elif layer.codes_mode:
         whole, part = _blocks_before(layer, base)
-        keys, values = layer.keys.view(layer.keys.shape), layer.values.view(layer.values.shape)
+        keys, values = layer.keys.view_as(layer.keys), layer.values.view_as(layer.values)  # view_as: ~1 us, view(shape) ~4 us
         if part is not None:  # a block encoded ahead: its tokens before the window, decoded
             keys, values = torch.cat([part[0], keys], dim=-2), torch.cat([part[1], values], dim=-2)
         history = 0 if part is None else part[0].shape[-2]
@@ -94,7 +94,7 @@ def step_view(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, bas
     else:
         keys, values = _visible(layer, base, first)
         if flushed is not None:
-            keys = keys.view(keys.shape)
+            keys = keys.view_as(keys)
             attach_context(keys, CodesContext(layer, (), 0, history=base - first, flushed=flushed))
     return keys, values
 
