@@ -176,21 +176,6 @@ def token_halves(buf, addr, n, count, scratch, out) -> None:
         halves(scratch.view(np.uint16), 0, n * count, out)
 
 
-@njit(cache=True, inline="always")
-def token_factors(kn, knw, table, req, t0, t1, desc, use_norm, scale, addr, scratch, view, out) -> None:
-    """``out[i] = scale * norm_t`` for tokens ``t = t0 + i < t1`` of request ``req`` (``scale`` alone without
-    the token norm), the norm read through ``table`` and ``desc`` (:func:`kvq_numba.cpu.paged.heads_f32`),
-    ``addr`` scratch for up to ``addr.shape[0]`` tokens' addresses at a time."""
-    if not use_norm:
-        out[:t1 - t0] = scale
-        return
-    for s0 in range(t0, t1, addr.shape[0]):
-        n = min(addr.shape[0], t1 - s0)
-        token_rows(table, req, 0, s0, n, desc, addr)
-        for i in range(n):
-            out[s0 - t0 + i] = scale * heads_f32(kn, knw, addr[i], desc, scratch, view)
-
-
 #: fields of a planes job, in the order of the buffers and descriptor rows (kvq_numba.cpu.paged)
 F_KC, F_KS, F_KO, F_KN, F_VC, F_VS, F_VO = range(7)
 
@@ -209,9 +194,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
     over the job's tokens, causal per row, fields read through ``table`` and ``desc`` (one row per
     buffer ``kc .. vo``: key codes, key scale, key offset, token norm, value codes, scale, offset).
     The jobs run as ``chunks`` interleaved chunks, each allocating its scratch once (a decode step's
-    jobs are small: allocating per job cost about a third of their time). The token factors (``scale``
-    times the token norm, shared by the heads) are read once for a run of jobs over the same tokens
-    (the kv heads of a tile follow one another in a plan), not once per head."""
+    jobs are small: allocating per job cost about a third of their time)."""
     nhk, nrow, d = q.shape
     rb = d * bits // 8
     nvg = d // vgroup
@@ -220,10 +203,6 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
     mid = np.float32((1 << bits) - 1) * np.float32(0.5)
     order = plane_order(d, bits)
     nch = max(1, min(chunks, jobs.shape[0]))
-    span = 1
-    for job in range(jobs.shape[0]):
-        if jobs[job, J_KIND] == CODES:
-            span = max(span, jobs[job, J_T1] - jobs[job, J_T0])
     for ch in prange(nch):
         lim = np.empty(ROWS, np.int64)
         qo = np.empty(ROWS * d, np.float32)  # channel order
@@ -254,8 +233,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
         pw = np.empty(nvg * ROWS * sb, np.float32)
         vbias = np.empty((ROWS, nvg), np.float32)
         p = np.zeros((ROWS, sb), np.float32)
-        toks = np.empty(span, np.float32)  # the token factors of the tokens toks_of names
-        toks_of = np.full(3, -1, np.int64)  # (request, first token, end)
+        tok = np.empty(sb, np.float32)
         ebits = np.empty(ROWS * sb, np.int32)
         out = np.empty(ROWS * d, np.float32)  # channel order, value offsets added
         for job in range(ch, jobs.shape[0], nch):
@@ -263,10 +241,6 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                 continue
             req, h = jobs[job, J_REQ], jobs[job, J_HEAD]
             start_job(q, jobs, job, first, row_lo, g, lim, qo, m, l, acc)
-            jt0, jt1 = jobs[job, J_T0], jobs[job, J_T1]
-            if toks_of[0] != req or toks_of[1] != jt0 or toks_of[2] != jt1:
-                token_factors(kn, knw, table, req, jt0, jt1, desc[F_KN], use_norm, scale, na, nbuf, nval, toks)
-                toks_of[0], toks_of[1], toks_of[2] = req, jt0, jt1
             vbias[:] = 0
             for j in range(ROWS * d):  # plane order (zeros past the job's rows, as qo)
                 qp[j] = qo[j - j % d + order[j % d]]
@@ -282,12 +256,20 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                     for i in range(n):
                         vst[gg * sb + i] = vsf[i * nvg + gg]
                         vot[gg * sb + i] = vof[i * nvg + gg]
-                tok = toks[t0 - jt0:]
-                if t0 + sb < jt1:  # the next block's rows, where they follow on (contiguous blocks)
+                if use_norm:
+                    token_rows(table, req, 0, t0, n, desc[F_KN], na)
+                    for i in range(n):
+                        tok[i] = scale * heads_f32(kn, knw, na[i], desc[F_KN], nbuf, nval)
+                else:
+                    for i in range(n):
+                        tok[i] = scale
+                if t0 + sb < jobs[job, J_T1]:  # the next block's rows, where they follow on (contiguous blocks)
                     prefetch_bytes(kc, ka[n - 1] + rb, n * rb)
                     prefetch_bytes(vc, va[n - 1] + rb, n * rb)
                     prefetch_bytes(vs, sa[n - 1] + 2 * nvg, n * 2 * nvg)
                     prefetch_bytes(vo, oa[n - 1] + 2 * nvg, n * 2 * nvg)
+                    if use_norm:
+                        prefetch_bytes(kn, na[n - 1] + 4, n * 4)
                 i = 0
                 while i < n:  # one key group at a time
                     grp = (t0 + i) // kgroup
