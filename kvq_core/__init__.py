@@ -19,12 +19,13 @@ from kvq_core.errors import (
 from kvq_core.packed import PackedKV, bits_per_element
 from kvq_core.registry import list_backends, list_methods, list_plugins, make_spec, spec_from_dict
 from kvq_core.spec import MethodSpec
+from kvq_core.window_plan import WindowPlan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError", "InputError", "KVQError", "LayoutError", "MethodSpec", "PackedKV",
-    "PluginError", "Quantizer", "SpecError", "UnknownBackendError", "UnknownMethodError",
+    "PluginError", "Quantizer", "SpecError", "UnknownBackendError", "UnknownMethodError", "WindowPlan",
     "bits_per_element", "get_quantizer", "list_backends", "list_methods", "list_plugins",
     "make_spec", "spec_from_dict", "__version__",
 ]

@@ -10,15 +10,17 @@ from typing import Any, NamedTuple
 from kvq_core import registry
 from kvq_core.constants import LazyConstants
 from kvq_core.errors import BackendUnavailableError, InputError, SpecError
-from kvq_core.contract import KernelContext
+from kvq_core.contract import KernelBlocks, KernelContext
 from kvq_core.packed import PackedKV, bits_per_element
 from kvq_core.spec import MethodSpec
+from kvq_core.window_plan import WindowPlan
 from kvq_core.validate import (
     check_attention_finite,
     check_kv,
     check_layer,
     check_packed,
     check_query,
+    check_query_for,
     check_scale,
     check_stored_finite,
     dtype_name,
@@ -325,46 +327,67 @@ class Quantizer:
         fused = getattr(self.kernels, "fuses_window", None)
         return fused is not None and bool(fused(q))
 
-    def attend_window(self, q: Any, blocks: Sequence[tuple[PackedKV, PackedKV]], window_k: Any, window_v: Any,
-                      scale: float | None = None, *, layer: int | None = None) -> tuple[Any, Any]:
+    def plan_window(self, blocks: Sequence[tuple[PackedKV, PackedKV]], *, layer: int | None = None) -> WindowPlan:
+        """Check (packed keys, packed values) blocks in token order for :meth:`attend_window` once
+        and convert their fields to the backend's arrays: :meth:`attend_window` takes the plan in
+        place of the list and then checks only the query and the window (a cache layer's blocks
+        change only when it flushes, so its decode steps reuse one plan). The plan holds the blocks."""
+        layer = check_layer(layer, self.layer)
+        state, parts, shape = self._bound, KernelBlocks(), None
+        asarray = self.arrays.asarray
+        pairs = tuple(blocks)
+        for pk, pv in pairs:
+            state, pk, _ = self._packed(pk, "keys", layer)
+            _, pv, _ = self._packed(pv, "values", layer)
+            if pv.shape != pk.shape:
+                raise InputError(f"packed values shape {list(pv.shape)} differs from packed keys shape {list(pk.shape)}")
+            if shape is not None and pk.shape[:2] != shape[:2]:
+                raise InputError(f"attend_window: block shape {list(pk.shape)} / {list(pv.shape)} differs in batch or "
+                                 f"kv_heads from the first block's {list(pairs[0][0].shape)}")
+            shape = pk.shape if shape is None else (shape[0], shape[1], shape[2] + pk.shape[2], shape[3])
+            parts.append(({k: asarray(v) for k, v in pk.fields.items()}, {k: asarray(v) for k, v in pv.fields.items()},
+                          pk.shape[2]))
+        return WindowPlan(self, layer, state, pairs, parts, shape)
+
+    def attend_window(self, q: Any, blocks: Sequence[tuple[PackedKV, PackedKV]] | WindowPlan, window_k: Any,
+                      window_v: Any, scale: float | None = None, *, layer: int | None = None) -> tuple[Any, Any]:
         """``(out, lse)``: softmax attention of ``q`` over packed blocks and an exact window, in one kernel call.
 
-        ``blocks``: (packed keys, packed values) pairs in token order, every token visible to every query;
-        ``window_k`` / ``window_v`` ``[batch, kv_heads, w, head_dim]``: the ``w >= q_len`` tokens after them
-        in full precision, the last ``q_len`` being the queries' own (query ``i`` sees the window up to
-        its position). One online softmax runs across the codes and the window (no per-part outputs to
-        merge); it equals softmax attention over the decoded blocks and the window within float tolerance.
-        ``out`` is in ``q``'s dtype, ``lse`` float32 ``[batch, q_heads, q_len]``. Only where
-        :meth:`fuses_window` (else :meth:`attend` per block and a log-sum-exp merge compute the same).
+        ``blocks``: (packed keys, packed values) pairs in token order, every token visible to every query,
+        or a :meth:`plan_window` of them (made by this quantizer for this layer; a plan whose blocks had
+        their fields swapped is made again); ``window_k`` / ``window_v`` ``[batch, kv_heads, w, head_dim]``:
+        the ``w >= q_len`` tokens after them in full precision, the last ``q_len`` being the queries' own
+        (query ``i`` sees the window up to its position). One online softmax runs across the codes and the
+        window (no per-part outputs to merge); it equals softmax attention over the decoded blocks and the
+        window within float tolerance. ``out`` is in ``q``'s dtype, ``lse`` float32 ``[batch, q_heads, q_len]``.
+        Only where :meth:`fuses_window` (else :meth:`attend` per block and a log-sum-exp merge compute the same).
         """
         if not self.fuses_window(q):
             raise BackendUnavailableError(f"backend {self.backend!r} has no fused window kernel for "
                                           f"{self.spec.describe()} on this input; use attend() per block")
         layer = check_layer(layer, self.layer)
-        state, parts, shape = self._bound, [], None
-        asarray = self.arrays.asarray
-        for pk, pv in blocks:
-            state, pk, _ = self._packed(pk, "keys", layer)
-            _, pv, _ = self._packed(pv, "values", layer)
-            if shape is None:
-                shape = check_query(q, pk, pv, self.arrays)
-            elif pk.shape[:2] != blocks[0][0].shape[:2] or pv.shape != pk.shape:
-                raise InputError(f"attend_window: block shape {list(pk.shape)} / {list(pv.shape)} differs in batch or "
-                                 f"kv_heads from the first block's {list(blocks[0][0].shape)}")
-            parts.append(({k: asarray(v) for k, v in pk.fields.items()}, {k: asarray(v) for k, v in pv.fields.items()},
-                          pk.shape[2]))
+        plan = blocks if isinstance(blocks, WindowPlan) else None
+        if plan is None or not plan.current(self, layer):
+            plan = self.plan_window(blocks if plan is None else plan.pairs, layer=layer)
+        state, shape = plan.state, plan.shape
+        if shape is not None:
+            try:
+                check_query_for(q, shape, self.arrays)
+            except InputError as exc:
+                raise InputError(f"{exc}{_transposed_hint(q, plan.pairs[0][0])}") from None
         qs, ks, vs = getattr(q, "shape", ()), getattr(window_k, "shape", ()), getattr(window_v, "shape", ())
         if len(qs) != 4 or len(ks) != 4 or tuple(vs) != tuple(ks) or ks[0] != qs[0] or ks[3] != qs[3] \
                 or ks[3] != state.spec.head_dim or qs[1] % ks[1] or ks[2] < qs[2] \
-                or (parts and tuple(ks[:2]) != tuple(blocks[0][0].shape[:2])):
+                or (shape is not None and tuple(ks[:2]) != tuple(shape[:2])):
             raise InputError(f"attend_window: query {list(qs)}, window keys {list(ks)} and values {list(vs)}; expected "
                              "q [batch, q_heads, q_len, head_dim] and equal windows [batch, kv_heads, w >= q_len, head_dim] "
                              "matching the blocks' batch and kv_heads")
         self._heads(ks, "window keys")
         self._device_ok(state, q)
         scale = check_scale(scale, state.spec.head_dim)
-        ctx = self._ctx(state, (ks[0], ks[1], sum(p[2] for p in parts), ks[3]), layer)
-        out, lse = state.kernels.attend_window(asarray(q), parts, asarray(window_k), asarray(window_v), ctx, scale)
+        ctx = self._ctx(state, (ks[0], ks[1], 0 if shape is None else shape[2], ks[3]), layer)
+        asarray = self.arrays.asarray
+        out, lse = state.kernels.attend_window(asarray(q), plan.blocks, asarray(window_k), asarray(window_v), ctx, scale)
         check_attention_finite(lse, self.arrays, scale)
         out = self.arrays.cast(out, dtype_name(q))
         self._keep(state)

@@ -160,6 +160,21 @@ class MethodKernels(Protocol):
     # scale) -> (out, lse)``: attention over several blocks (``[(kfields, vfields, tokens), ...]``,
     # in token order; ``ctx.shape`` counts their tokens together) then an exact window whose last
     # ``q_len`` tokens are the queries' own, in one call (:meth:`kvq_core.Quantizer.attend_window`).
+    # ``blocks`` is a :class:`KernelBlocks`: its ``memo`` lives as long as those blocks (a cache
+    # layer reuses them over many decode steps), so a kernel may keep there, under a key of its
+    # own, what it derives from the blocks alone (converted buffers, descriptors), once.
 
 
-__all__ = ["ALL_METHODS", "ArrayAdapter", "BackendInfo", "KernelContext", "MethodInfo", "MethodKernels", "Supports", "resolve"]
+class KernelBlocks(list):  # type: ignore[type-arg]
+    """The blocks of a fused window call, ``[(kfields, vfields, tokens), ...]`` in token order, and
+    ``memo``: a dict for what a kernel derives from these blocks (read-only, never from the queries
+    or the window), which lives as long as they do (:class:`kvq_core.window_plan.WindowPlan`)."""
+
+    __slots__ = ("memo",)
+
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__(items)
+        self.memo: dict[Any, Any] = {}
+
+
+__all__ = ["ALL_METHODS", "ArrayAdapter", "BackendInfo", "KernelBlocks", "KernelContext", "MethodInfo", "MethodKernels", "Supports", "resolve"]

@@ -184,6 +184,14 @@ def check_attention_finite(lse: Any, arrays: ArrayAdapter, scale: float) -> None
 
 def check_query(q: Any, pk: PackedKV, pv: PackedKV, arrays: ArrayAdapter) -> tuple[int, int, int, int]:
     """Check a query ``[batch, q_heads, q_len, head_dim]`` against packed keys and values."""
+    if pv.shape != pk.shape:
+        raise InputError(f"packed values shape {list(pv.shape)} differs from packed keys shape {list(pk.shape)}")
+    return check_query_for(q, pk.shape, arrays)
+
+
+def check_query_for(q: Any, blocks_shape: tuple[int, int, int, int], arrays: ArrayAdapter) -> tuple[int, int, int, int]:
+    """Check a query ``[batch, q_heads, q_len, head_dim]`` against blocks of shape ``[batch, kv_heads, tokens,
+    head_dim]`` (the batch, head_dim and GQA rule), and that it is finite float; return its shape."""
     shape = getattr(q, "shape", None)
     if shape is None or len(shape) != 4:
         raise InputError(f"query: got shape {None if shape is None else list(shape)}; expected rank 4 [batch, q_heads, q_len, head_dim]")
@@ -191,9 +199,7 @@ def check_query(q: Any, pk: PackedKV, pv: PackedKV, arrays: ArrayAdapter) -> tup
         shape = _dims(shape)
     if min(shape) < 1:
         raise InputError(f"query: got empty shape {list(shape)}; every dimension must be >= 1")
-    b, hk, t, d = pk.shape
-    if pv.shape != pk.shape:
-        raise InputError(f"packed values shape {list(pv.shape)} differs from packed keys shape {list(pk.shape)}")
+    b, hk, _, d = blocks_shape
     if shape[0] != b:
         raise InputError(f"query batch {shape[0]} does not match the cache batch {b}")
     if shape[3] != d:

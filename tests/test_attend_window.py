@@ -135,3 +135,42 @@ def test_triton_under_interpreter() -> None:
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert f"{2 * len(CASES) + 4} passed" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("method,params", [("oscar", {"bits": 2}), ("octopus", {"bits": 3})], ids=["oscar-2", "octopus-3"])
+def test_a_plan_runs_as_its_blocks_and_is_checked_again_when_a_block_changes(backend, method, params):
+    """``plan_window`` checks the blocks once: calls with the plan equal calls with the list, bit for bit, for
+    other queries and windows (what the kernel derived from the blocks is kept in the plan); a block whose
+    fields were swapped since is checked again before any kernel reads it; another quantizer re-plans."""
+    if INTERPRETING:
+        pytest.skip("CPU backends")
+    pytest.importorskip(backend)
+    from kvq_core import LayoutError
+
+    host = (lambda x: x) if backend == "numba" else __import__("torch").from_numpy
+    quant = get_quantizer(method, backend, head_dim=64, **params)
+    rng = np.random.default_rng(7)
+    b, hk, d = 1, 3, 64
+    blocks = [(quant.encode_keys(host(rng.standard_normal((b, hk, t, d), dtype=np.float32))),
+               quant.encode_values(host(rng.standard_normal((b, hk, t, d), dtype=np.float32)))) for t in (96, 32)]
+    plan = quant.plan_window(blocks)
+    assert plan.shape == (b, hk, 128, d) and plan.holds(blocks) and not plan.holds(blocks[:1])
+    for step in range(3):
+        q = host(rng.standard_normal((b, 9, 1, d), dtype=np.float32))
+        wk = host(rng.standard_normal((b, hk, 4 + step, d), dtype=np.float32))
+        wv = host(rng.standard_normal((b, hk, 4 + step, d), dtype=np.float32))
+        with_plan = quant.attend_window(q, plan, wk, wv, 0.125)
+        with_list = quant.attend_window(q, blocks, wk, wv, 0.125)
+        for got, want in zip(with_plan, with_list):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert plan.current(quant, quant.layer)
+    assert plan.blocks.memo, "the kernel keeps what it derives from the blocks in the plan"
+    other = get_quantizer(method, backend, head_dim=64, **params)
+    assert not plan.current(other, other.layer)
+    np.testing.assert_array_equal(np.asarray(other.attend_window(q, plan, wk, wv, 0.125)[0]), np.asarray(with_plan[0]))
+    pk = blocks[0][0]
+    pk.fields = {**pk.fields, "codes": pk.fields["codes"][:, :, :1]}  # a crafted field: too few rows
+    assert not plan.current(quant, quant.layer)
+    with pytest.raises(LayoutError):
+        quant.attend_window(q, plan, wk, wv, 0.125)

@@ -87,6 +87,21 @@ def test_one_kernel_call_per_layer_and_step_equal_to_the_merge_path(model, monke
     assert torch.allclose(fused, merged, atol=1e-4, rtol=1e-4), float((fused - merged).abs().max())
 
 
+def test_a_layer_checks_its_blocks_once_per_flush(model, monkeypatch):
+    """Decode steps between two flushes reuse the layer's plan of its blocks (``Quantizer.plan_window``: the
+    blocks checked and converted once); a flush, which changes the blocks, makes a new one."""
+    made = []
+    real = Quantizer.plan_window
+    monkeypatch.setattr(Quantizer, "plan_window", lambda q, blocks, **kw: made.append(q.layer) or real(q, blocks, **kw))
+    cache = KVQCache(model.config, "oscar", "numba", residual=8, bits=2)
+    ids = _ids(60, seed=4)
+    _steps(model, cache, ids, 36)
+    layers, steps = model.config.num_hidden_layers, ids.shape[1] - 36
+    flushes = steps // 8 + 1
+    assert sorted(set(made)) == list(range(layers))
+    assert len(made) <= layers * flushes < layers * steps, (len(made), layers, flushes, steps)
+
+
 def test_a_chunk_over_packed_blocks_is_fused_and_causal(model, monkeypatch):
     """A multi-token step over packed history (chunked prefill): one call, causal in the window."""
     ids = _ids(50, seed=5)

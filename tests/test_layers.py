@@ -24,6 +24,7 @@ RANKS = {
     "kvq_core.hookspecs": 3,
     "kvq_core.methods": 4,
     "kvq_core.constants": 4,
+    "kvq_core.window_plan": 4,  # blocks checked once for many fused window calls
     "kvq_core.registry": 5,
     "kvq_core.torch_ops": 6,  # the kvq:: ops a Quantizer on a torch_ops backend calls
     "kvq_core.validate": 7,

@@ -33,6 +33,10 @@ threads.prefer_tbb()
 
 Fields = dict[str, Any]
 _NO_NORM = np.ones((1, 1), np.float32)
+#: the blocks' memo key of what :meth:`IntCodesNumba._plan_planes` derives (the scale is not part of it)
+_PLANES = "kvq_numba.planes"
+#: the blocks' memo key of their job functions (one per scale: it is compiled into them)
+_JOBS = "kvq_numba.planes_jobs"
 #: Blocks shorter than this attend with the general kernel: the vector kernel's job plan costs ~40 us
 #: a call (host-side planning and scratch), more than the general kernel's whole run on a short block;
 #: from here on the two cost about the same on one thread, and the plan's token splits use the others.
@@ -181,15 +185,25 @@ class IntCodesNumba(DeviceRouted):
         work = b * hq * lq * (ctx.shape[2] + window_k.shape[2]) * d
         return threads.run(work, self._attend_window, q, blocks, window_k, window_v, ctx.shape[1], scale)
 
+    def _plan_planes(self, blocks: list[tuple[Fields, Fields, int]], b: int, lq: int, g: int, hk: int) -> tuple[Any, ...]:
+        """What :func:`kvq_numba.cpu.attend_planes.planes_window` takes from one or two blocks alone: their field
+        buffers and descriptors, token counts, and the token split for ``b`` x ``lq`` x ``g`` query rows."""
+        prepared = [cpu_attend_planes.contiguous_block(*self._block_args(kf, vf, 1.0)) for kf, vf, _ in blocks]
+        prepared += prepared[:1] * (2 - len(prepared))  # an absent second block: 0 tokens, never read
+        tokens = np.array([t for _, _, t in blocks] + [0] * (2 - len(blocks)), np.int64)
+        split, chunks = cpu_window.split_plan(b, lq, g, hk, int(tokens.sum()), [self._block_tokens])
+        return prepared, tokens, split, chunks
+
     def _attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                        hk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
         b, hq, lq, d = q.shape
         g = hq // hk
         if 1 <= len(blocks) <= 2:  # a KVQCache layer's usual state: everything in one compiled call
-            prepared = [cpu_attend_planes.contiguous_block(*self._block_args(kf, vf, scale)) for kf, vf, _ in blocks]
-            prepared += prepared[:1] * (2 - len(prepared))  # an absent second block: 0 tokens, never read
-            tokens = np.array([t for _, _, t in blocks] + [0] * (2 - len(blocks)), np.int64)
-            split, chunks = cpu_window.split_plan(b, lq, g, hk, int(tokens.sum()), [self._block_tokens])
+            memo = getattr(blocks, "memo", {})  # a WindowPlan's blocks keep it over decode steps
+            planned = memo.get((_PLANES, b, lq, g))
+            if planned is None:
+                planned = memo[(_PLANES, b, lq, g)] = self._plan_planes(blocks, b, lq, g, hk)
+            prepared, tokens, split, chunks = planned
             return cpu_attend_planes.planes_window(
                 as_float32(q), as_float32(window_k), as_float32(window_v), self.rotation, self.inv_sqrt_d,
                 (prepared[0][0], prepared[1][0]), (prepared[0][1], prepared[1][1]), tokens,
@@ -197,9 +211,14 @@ class IntCodesNumba(DeviceRouted):
         to_keys, back = self.domains(None)
         qo = cpu_window.grouped_queries(as_float32(q), hk)
         qc = to_keys(qo[None])[0]
-        jobs = [(*cpu_attend_planes.contiguous_jobs(*self._block_args(kf, vf, scale)), t) for kf, vf, t in blocks]
+        memo = getattr(blocks, "memo", {})
+        jobs = memo.get((_JOBS, scale))
+        if jobs is None:
+            jobs = memo[(_JOBS, scale)] = [(*cpu_attend_planes.contiguous_jobs(*self._block_args(kf, vf, scale)), t)
+                                           for kf, vf, t in blocks]
         out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)), back, scale)
         return cpu_window.ungrouped(out, b, lq, g), cpu_window.ungrouped(lse, b, lq, g)
+
 
 
 def _same(x: np.ndarray) -> np.ndarray:

@@ -26,6 +26,8 @@ Fields = dict[str, Any]
 _NO_CODES = np.zeros((1, 1, 1, 1), np.uint8)
 _NO_NORMS = np.zeros((1, 1, 1), np.float32)
 _NO_HALVES = np.zeros((1, 1, 1, 1), np.uint16)
+#: the blocks' memo key of their job functions (one per scale: it is compiled into them)
+_JOBS = "kvq_numba.octopus_jobs"
 
 
 class OctopusNumba(DeviceRouted):
@@ -151,6 +153,10 @@ class OctopusNumba(DeviceRouted):
         to_keys, back = self.domains(ctx.consts)
         qo = cpu_window.grouped_queries(as_float32(q), hk)
         qc = to_keys(qo[None])[0]
-        jobs = [(*cpu_attend_octopus.contiguous_jobs(*self._block_args(kf, vf, ctx, scale)), t) for kf, vf, t in blocks]
+        memo = getattr(blocks, "memo", {})  # a WindowPlan's blocks keep it over decode steps
+        jobs = memo.get((_JOBS, scale))
+        if jobs is None:
+            jobs = memo[(_JOBS, scale)] = [(*cpu_attend_octopus.contiguous_jobs(*self._block_args(kf, vf, ctx, scale)), t)
+                                           for kf, vf, t in blocks]
         out, lse = cpu_window.run(qo, qc, b, lq, g, jobs, (as_float32(window_k), as_float32(window_v)), back, scale)
         return cpu_window.ungrouped(out, b, lq, g), cpu_window.ungrouped(lse, b, lq, g)

@@ -12,6 +12,9 @@ from typing import Any
 from kvq_core.contract import KernelContext
 from kvq_core.spec import MethodSpec
 
+#: the blocks' memo key of their fields as the ``kvq::attend_window`` op takes them (flat lists)
+_FLAT = "kvq.attend_window_fields"
+
 
 class OpKernels:
     """The kernels of one method on ``backend``, through the ``kvq::`` ops."""
@@ -66,7 +69,12 @@ class OpKernels:
 
     def attend_window(self, q: Any, blocks: list[tuple[dict[str, Any], dict[str, Any], int]], window_k: Any,
                       window_v: Any, ctx: KernelContext, scale: float) -> tuple[Any, Any]:
-        kf = [kfields[n] for kfields, _, _ in blocks for n in self.names["keys"]]
-        vf = [vfields[n] for _, vfields, _ in blocks for n in self.names["values"]]
-        return self.attend_window_op(self.backend, self.spec_json, ctx.layer, q, kf, vf, [t for _, _, t in blocks],
+        memo = getattr(blocks, "memo", {})  # a WindowPlan's blocks keep it over decode steps
+        flat = memo.get(_FLAT)
+        if flat is None:
+            flat = memo[_FLAT] = ([kfields[n] for kfields, _, _ in blocks for n in self.names["keys"]],
+                                  [vfields[n] for _, vfields, _ in blocks for n in self.names["values"]],
+                                  [t for _, _, t in blocks])
+        kf, vf, tokens = flat
+        return self.attend_window_op(self.backend, self.spec_json, ctx.layer, q, kf, vf, tokens,
                                      window_k, window_v, float(scale))

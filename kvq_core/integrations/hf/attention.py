@@ -137,7 +137,7 @@ def attend_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ct
         vis_w, vis_p = vis[..., n_packed:], vis[..., :n_packed]
     if (ctx.blocks and not h and ctx.flushed is None and layer.same_spec and layer.kq.fuses_window(query)
             and _plain_causal(vis_w, vis_p, lq)):
-        out, _ = layer.kq.attend_window(query, ctx.blocks, key, value, scale)  # checks the query
+        out, _ = layer.kq.attend_window(query, layer.window_plan(ctx.blocks), key, value, scale)  # checks the query
         return to_torch(out, query.device, query.dtype)
     check_query_finite(query, ctx)  # before any part is computed: some never reach the quantizer
     if attention_mask is None and lq > 1:

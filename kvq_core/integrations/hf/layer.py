@@ -38,6 +38,7 @@ from kvq_core.integrations.hf.window import plan_eviction, view_start
 from kvq_core.packed import PackedKV
 from kvq_core.spec import MethodSpec
 from kvq_core.tokens import concat_tokens, slice_tokens, token_granule, token_separable
+from kvq_core.window_plan import WindowPlan
 
 ATTENTION_MODES = ("auto", "dequant", "codes")
 CHUNK_MODES = ("exact", "decode")
@@ -132,6 +133,7 @@ class KVQLayer(DynamicLayer):
         self.cumulative_length = 0
         self._decoded = DecodedHistory()
         self._ahead: tuple[PackedKV, PackedKV, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._plan: WindowPlan | None = None  # the blocks last attended, checked once (window_plan)
         self._pending_codes = False
         self.last_attention_bits = 0.0  # stored bits when the last step attended (window at WINDOW_BITS)
         self.last_attention_elements = 0
@@ -313,6 +315,14 @@ class KVQLayer(DynamicLayer):
             self.blocks[lo:hi] = [joined]
             self.block_tokens[lo:hi] = [sum(self.block_tokens[lo:hi])]
 
+    def window_plan(self, blocks: list[tuple[PackedKV, PackedKV]]) -> WindowPlan:
+        """``blocks`` checked for the fused window call (:meth:`kvq_core.Quantizer.plan_window`), once
+        while they stay the same objects: every decode step between two flushes reuses the plan."""
+        plan = self._plan
+        if plan is None or not plan.holds(blocks):
+            plan = self._plan = self.kq.plan_window(blocks)  # type: ignore[union-attr]
+        return plan
+
     def decode_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ``i`` decoded (see :meth:`decode_pair`)."""
         return self.decode_pair(*self.blocks[i])
@@ -356,7 +366,8 @@ class KVQLayer(DynamicLayer):
     def snapshot(self) -> dict[str, Any]:
         """The layer's state, to undo the next ``update`` with :meth:`restore`. Holds references
         (updates rebind tensors, never write into them), not the decoded-history copy."""
-        state = {k: v for k, v in vars(self).items() if k != "_decoded"}
+        state = vars(self).copy()  # a C-level copy: ~3x faster than filtering in a comprehension
+        del state["_decoded"]
         state["blocks"], state["block_tokens"] = list(self.blocks), list(self.block_tokens)
         return state
 
