@@ -95,10 +95,20 @@ def test_a_layer_checks_its_blocks_once_per_flush(model, monkeypatch):
     monkeypatch.setattr(Quantizer, "plan_window", lambda q, blocks, **kw: made.append(q.layer) or real(q, blocks, **kw))
     cache = KVQCache(model.config, "oscar", "numba", residual=8, bits=2)
     ids = _ids(60, seed=4)
-    _steps(model, cache, ids, 36)
+    joins = 0
+    with torch.no_grad():
+        model(ids[:, :36], cache=cache)
+        for i in range(36, ids.shape[1]):
+            first = cache.layers[0]
+            blocks, packed = len(first.blocks), first.packed_length
+            model(ids[:, i:i + 1], cache=cache)
+            joins += first.packed_length > packed and len(first.blocks) <= blocks  # flushed, and joined
+            for layer in cache.layers:  # a plan never outlives a block it holds (a join frees the joined blocks)
+                plan = layer._plan
+                assert plan is None or all(any(pk is b for b, _ in layer.blocks) for pk, _ in plan.pairs)
     layers, steps = model.config.num_hidden_layers, ids.shape[1] - 36
     flushes = steps // 8 + 1
-    assert sorted(set(made)) == list(range(layers))
+    assert joins >= 1 and sorted(set(made)) == list(range(layers))
     assert len(made) <= layers * flushes < layers * steps, (len(made), layers, flushes, steps)
 
 

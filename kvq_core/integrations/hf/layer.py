@@ -317,11 +317,24 @@ class KVQLayer(DynamicLayer):
 
     def window_plan(self, blocks: list[tuple[PackedKV, PackedKV]]) -> WindowPlan:
         """``blocks`` checked for the fused window call (:meth:`kvq_core.Quantizer.plan_window`), once
-        while they stay the same objects: every decode step between two flushes reuses the plan."""
+        while they stay the same objects: every decode step between two flushes reuses the plan. A plan
+        is kept only while the layer holds all its blocks (:meth:`_forget_stale_plan`)."""
         plan = self._plan
         if plan is None or not plan.holds(blocks):
-            plan = self._plan = self.kq.plan_window(blocks)  # type: ignore[union-attr]
+            plan = self.kq.plan_window(blocks)  # type: ignore[union-attr]
+        live = {id(pk) for pk, _ in self.blocks}  # this step's flush may have joined some of them already
+        self._plan = plan if all(id(pk) in live for pk, _ in blocks) else None  # then: used once, not kept
         return plan
+
+    def _forget_stale_plan(self) -> None:
+        """Drop the window plan once a block it holds has left the layer between steps (cropped, or replaced
+        by a batch selection): it would keep that block's memory alive until the next step. (A step's own
+        flush, join or eviction is seen by :meth:`window_plan`, after the step's attention used the plan.)"""
+        plan = self._plan
+        if plan is not None:
+            held = {id(pk) for pk, _ in self.blocks}
+            if any(id(pk) not in held for pk, _ in plan.pairs):
+                self._plan = None
 
     def decode_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ``i`` decoded (see :meth:`decode_pair`)."""
@@ -397,6 +410,7 @@ class KVQLayer(DynamicLayer):
         """Beam search: batch row i becomes the old row ``beam_idx[i]``."""
         if self.is_initialized and self.cumulative_length:
             select_batch(self, beam_idx)
+            self._forget_stale_plan()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the batch rows ``indices`` (integers or a boolean mask)."""
@@ -404,11 +418,13 @@ class KVQLayer(DynamicLayer):
             if indices.dtype == torch.bool:
                 indices = indices.nonzero().flatten()
             select_batch(self, torch.as_tensor(indices))
+            self._forget_stale_plan()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times in place (beam search expansion)."""
         if self.is_initialized and self.cumulative_length:
             select_batch(self, torch.arange(batch_size(self)).repeat_interleave(repeats))
+            self._forget_stale_plan()
 
     # -- crop (:func:`kvq_core.integrations.hf.flush.plan_crop`) ----------------------------------------------
     def check_crop(self, tokens_to_remove: int) -> tuple[int, int]:
@@ -445,6 +461,7 @@ class KVQLayer(DynamicLayer):
             self.packed_length = sum(tokens)
             self.packed_bytes = sum(pk.nbytes() + pv.nbytes() for pk, pv in blocks)
             self._decoded.truncate(self.packed_length)
+            self._forget_stale_plan()
         self.cumulative_length -= n
 
 
