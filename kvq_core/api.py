@@ -370,9 +370,11 @@ class Quantizer:
         if plan is None or not plan.current(self, layer):
             plan = self.plan_window(blocks if plan is None else plan.pairs, layer=layer)
         state, shape = plan.state, plan.shape
+        asarray = self.arrays.asarray
+        qa = asarray(q)  # once: the checks and the kernel read the backend's array
         if shape is not None:
             try:
-                check_query_for(q, shape, self.arrays)
+                check_query_for(qa, shape, self.arrays)
             except InputError as exc:
                 raise InputError(f"{exc}{_transposed_hint(q, plan.pairs[0][0])}") from None
         qs, ks, vs = getattr(q, "shape", ()), getattr(window_k, "shape", ()), getattr(window_v, "shape", ())
@@ -386,8 +388,7 @@ class Quantizer:
         self._device_ok(state, q)
         scale = check_scale(scale, state.spec.head_dim)
         ctx = self._ctx(state, (ks[0], ks[1], 0 if shape is None else shape[2], ks[3]), layer)
-        asarray = self.arrays.asarray
-        out, lse = state.kernels.attend_window(asarray(q), plan.blocks, asarray(window_k), asarray(window_v), ctx, scale)
+        out, lse = state.kernels.attend_window(qa, plan.blocks, asarray(window_k), asarray(window_v), ctx, scale)
         check_attention_finite(lse, self.arrays, scale)
         out = self.arrays.cast(out, dtype_name(q))
         self._keep(state)

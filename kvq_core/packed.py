@@ -101,30 +101,29 @@ class PackedKV:
 
     def check_structure(self) -> None:
         """The structural half of :meth:`validate` (everything but the stored values)."""
-        where = f"packed {getattr(self.spec, 'method', '?')} {self.kind}"
         if not callable(getattr(self.spec, "key_layout", None)):
-            raise LayoutError(f"{where}: spec is a {type(self.spec).__name__}; expected a MethodSpec")
+            raise LayoutError(f"{self._where()}: spec is a {type(self.spec).__name__}; expected a MethodSpec")
         if self.kind not in ("keys", "values"):
-            raise LayoutError(f"{where}: kind={self.kind!r}; expected 'keys' or 'values'")
+            raise LayoutError(f"{self._where()}: kind={self.kind!r}; expected 'keys' or 'values'")
         shape = self.shape
         if not isinstance(shape, tuple) or len(shape) != 4 or not all(_is_dim(s) for s in shape):
-            raise LayoutError(f"{where}: shape={shape!r}; expected four integers [batch, kv_heads, tokens, head_dim]")
+            raise LayoutError(f"{self._where()}: shape={shape!r}; expected four integers [batch, kv_heads, tokens, head_dim]")
         if min(shape) < 1:
-            raise InputError(f"{where}: shape {list(shape)} is empty; batch, kv_heads, tokens and head_dim must be >= 1")
+            raise InputError(f"{self._where()}: shape {list(shape)} is empty; batch, kv_heads, tokens and head_dim must be >= 1")
         if shape[3] != self.spec.head_dim:
-            raise LayoutError(f"{where}: shape {list(shape)} declares head_dim {shape[3]}; its spec has "
+            raise LayoutError(f"{self._where()}: shape {list(shape)} declares head_dim {shape[3]}; its spec has "
                               f"head_dim={self.spec.head_dim}")
         if self.dtype not in BLOCK_DTYPES:
-            raise LayoutError(f"{where}: dtype={self.dtype!r}; expected one of {', '.join(BLOCK_DTYPES)}")
+            raise LayoutError(f"{self._where()}: dtype={self.dtype!r}; expected one of {', '.join(BLOCK_DTYPES)}")
         layer = self.layer
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
-            raise LayoutError(f"{where}: layer={layer!r}; expected an integer >= 0")
+            raise LayoutError(f"{self._where()}: layer={layer!r}; expected an integer >= 0")
         if not isinstance(self.fields, Mapping):
-            raise LayoutError(f"{where}: fields is a {type(self.fields).__name__}; expected a dict of arrays")
+            raise LayoutError(f"{self._where()}: fields is a {type(self.fields).__name__}; expected a dict of arrays")
         layout = self.layout
-        missing = sorted(set(layout) - set(self.fields))
-        extra = sorted(map(str, set(self.fields) - set(layout)))
-        if missing or extra:
+        if layout.keys() != self.fields.keys():
+            missing = sorted(set(layout) - set(self.fields))
+            extra = sorted(map(str, set(self.fields) - set(layout)))
             raise LayoutError(f"{self.spec.method} {self.kind}: missing fields {missing}, unexpected {extra}")
         for name, f in layout.items():
             arr = self.fields[name]
@@ -142,6 +141,9 @@ class PackedKV:
         """Record that the block as it is now passed :meth:`validate` (a quantizer calls this for
         the blocks it makes, whose fields it has just checked)."""
         self._checked = (self.spec, self.kind, self.shape, self.layer, self.dtype, tuple(self.fields.items()))
+
+    def _where(self) -> str:
+        return f"packed {getattr(self.spec, 'method', '?')} {self.kind}"
 
     def is_validated(self) -> bool:
         """True when the block, as it is now, has passed :meth:`validate`."""

@@ -8,6 +8,7 @@ itself until the first finiteness test (the plugin imports this module to regist
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -22,8 +23,10 @@ _F32 = np.dtype(np.float32)
 
 def is_cuda_input(x: Any) -> bool:
     """True for device arrays (real or the numba CUDA simulator's), False for host arrays."""
-    if isinstance(x, np.ndarray) or getattr(getattr(x, "device", None), "type", None) == "cpu":
+    if isinstance(x, np.ndarray) or getattr(x, "is_cpu", False) is True:
         return False  # NumPy, or a CPU torch tensor (whose __cuda_array_interface__ raises: slow)
+    if getattr(getattr(x, "device", None), "type", None) == "cpu":
+        return False
     if hasattr(x, "__cuda_array_interface__"):
         return True
     cuda = sys.modules.get("numba.cuda")
@@ -35,6 +38,15 @@ def as_float32(x: Any) -> np.ndarray:
     if type(x) is np.ndarray and x.dtype is _F32 and x.flags.c_contiguous:  # NumPy's native float32 descriptor
         return x
     return np.ascontiguousarray(to_host(x), dtype=np.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def _host_dtype(name: str) -> np.dtype:
+    """The NumPy dtype a host array of dtype ``name`` is kept in: bfloat16, which NumPy lacks, as float32."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(np.float32)
 
 
 class NumbaArrays:
@@ -71,12 +83,21 @@ class NumbaArrays:
         flat = a.ravel()  # contiguous (a copy only when a is not): one compiled signature per dtype
         return bool(_finite.all_finite(flat) if char != "e" else _finite.half_bits_finite(flat.view(np.uint16)))
 
+    def max_abs(self, x: Any) -> float:
+        """Largest |x|, for the core's underflow check of each encoded block: float32/float64 host data in one
+        compiled pass (NumPy's min and max are two, plus their conversions: most of a 1-token encode's checks)."""
+        global _finite
+        a = x if type(x) is np.ndarray else self.to_numpy(x)
+        char = a.dtype.char
+        if char != "f" and char != "d":
+            return max(0.0, -float(a.min()), float(a.max()))
+        if _finite is None:
+            from kvq_numba.cpu import finite as _finite
+        return float(_finite.max_abs(a.ravel()))
+
     def cast(self, x: Any, dtype: str) -> Any:
         """``x`` as ``dtype`` (bfloat16, which NumPy lacks, stays float32), on the device it came from."""
-        try:
-            target = np.dtype(dtype)
-        except TypeError:
-            target = np.dtype(np.float32)
+        target = _host_dtype(dtype)
         if type(x) is np.ndarray:  # every host kernel's output
             return x.astype(target, copy=False)
         if is_cuda_input(x):

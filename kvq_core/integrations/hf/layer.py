@@ -43,11 +43,16 @@ from kvq_core.window_plan import WindowPlan
 ATTENTION_MODES = ("auto", "dequant", "codes")
 CHUNK_MODES = ("exact", "decode")
 WINDOW_BITS = 16  # exact tokens are counted as a float16/bfloat16 deployment stores them
+#: most leading window tokens a step drops as a view of the window it attended (a sliding flush's step drops
+#: its new tokens' count); more are copied out, so a prefill's window does not stay held behind a few tokens
+VIEW_DROP = 8
 
 
 def to_torch(x: Any, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A backend array (NumPy or torch) as a torch tensor on ``device`` in ``dtype``."""
     t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    if (dtype is None or t.dtype is dtype) and (device is None or t.device == device):
+        return t  # a decode step's attention output, as it came (``to`` costs ~1 us even then)
     return t.to(device=device if device is not None else t.device, dtype=dtype if dtype is not None else t.dtype)
 
 
@@ -180,17 +185,19 @@ class KVQLayer(DynamicLayer):
                 raise InputError(f"layer {self.layer_idx}: {what} have dtype {x.dtype}; expected a floating dtype")
             if x.shape[-1] != spec.head_dim:
                 return  # named with its hint by lazy_initialization / check_kv
-            if self.is_initialized and self.keys is not None and self.keys.dim() == 4:
-                stored = self.keys if what == "keys" else self.values
+        stored = self.keys  # keys and values share batch and kv_heads
+        if self.is_initialized and stored is not None and stored.dim() == 4:
+            for what, x in (("keys", key_states), ("values", value_states)):
                 if x.shape[:2] != stored.shape[:2]:
                     raise InputError(f"layer {self.layer_idx}: {what} have batch and kv_heads {list(x.shape[:2])}; "
                                      f"the cache holds {list(stored.shape[:2])}")
-            if not all_finite(x, self.kq if what == "keys" else self.vq):
-                raise InputError(f"layer {self.layer_idx}: {what} contain NaN or Inf; kvq rejects non-finite input "
-                                 "before storing anything (window included)")
         if key_states.shape[:3] != value_states.shape[:3]:
             raise InputError(f"layer {self.layer_idx}: keys {list(key_states.shape)} and values "
                              f"{list(value_states.shape)} differ in batch, kv_heads or tokens")
+        for what, x, quantizer in (("keys", key_states, self.kq), ("values", value_states, self.vq)):
+            if not all_finite(x, quantizer):
+                raise InputError(f"layer {self.layer_idx}: {what} contain NaN or Inf; kvq rejects non-finite input "
+                                 "before storing anything (window included)")
 
     def abort_step(self) -> None:
         """Undo this step everywhere (the owning :class:`~kvq_core.integrations.hf.cache.KVQCache` rolls back
@@ -304,8 +311,10 @@ class KVQLayer(DynamicLayer):
         copied, never re-quantized)."""
         drop = window_drop(self.flush, self.residual, self.window_length, encoded)
         if drop > 0:
-            self.keys = self.keys[:, :, drop:].clone()
-            self.values = self.values[:, :, drop:].clone()
+            keys, values = self.keys[:, :, drop:], self.values[:, :, drop:]
+            if drop > VIEW_DROP:  # else a view: the next step's cat copies the window anyway
+                keys, values = keys.clone(), values.clone()
+            self.keys, self.values = keys, values
         if not self._granule:
             return
         lo, hi = join_range(self.block_tokens, self.packed_length, self.cumulative_length - self.window_length)
@@ -322,6 +331,9 @@ class KVQLayer(DynamicLayer):
         plan = self._plan
         if plan is None or not plan.holds(blocks):
             plan = self.kq.plan_window(blocks)  # type: ignore[union-attr]
+        if plan.holds(self.blocks):  # the usual step: the plan is of the layer's blocks, all of them
+            self._plan = plan
+            return plan
         live = {id(pk) for pk, _ in self.blocks}  # this step's flush may have joined some of them already
         self._plan = plan if all(id(pk) in live for pk, _ in blocks) else None  # then: used once, not kept
         return plan
@@ -390,10 +402,11 @@ class KVQLayer(DynamicLayer):
         self.drop_decoded()
 
     def window_bytes(self) -> int:
-        """Bytes of the exact window, in the model's dtype."""
-        if self.window_length == 0:
+        """Bytes the exact window holds, in the model's dtype: its tensors' storage (a view after a step's drop
+        holds the dropped tokens until the next step's copy)."""
+        if self.keys is None or self.keys.dim() != 4:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return self.keys.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
 
     def history_copy_bytes(self) -> int:
         """Bytes of the decoded history copy alone (:mod:`kvq_core.integrations.hf.decoded`)."""
