@@ -135,8 +135,10 @@ def attend_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ct
             raise KVQError(f"kvq attention: mask covers {vis.shape[-1]} keys; the cache holds {n_packed} packed + {w} in K/V")
         vis = vis[..., -lq:, :] if vis.shape[-2] != lq else vis
         vis_w, vis_p = vis[..., n_packed:], vis[..., :n_packed]
-    if (ctx.blocks and not h and ctx.flushed is None and layer.same_spec and layer.kq.fuses_window(query)
+    if (ctx.blocks and ctx.flushed is None and layer.same_spec and layer.kq.fuses_window(query)
             and _plain_causal(vis_w, vis_p, lq)):
+        # decoded history here is the part of a block a sliding stride encoded ahead that lies before the window
+        # (codes mode): tokens after the blocks, before every query, so the fused call takes them as the window's first
         out, _ = layer.kq.attend_window(query, layer.window_plan(ctx.blocks), key, value, scale)  # checks the query
         return to_torch(out, query.device, query.dtype)
     check_query_finite(query, ctx)  # before any part is computed: some never reach the quantizer
