@@ -157,6 +157,30 @@ def test_all_finite_agrees_with_numpy() -> None:
     assert arrays.all_finite(np.arange(6)) and arrays.all_finite(np.zeros((2, 0), np.float32))
 
 
+def test_max_abs_agrees_with_numpy() -> None:
+    """The numba adapter's max_abs (the core's underflow check on every encode) is NumPy's largest |x| for
+    float32/float64 (compiled) and float16 (NumPy), contiguous or strided, CPU torch tensors included, and
+    0 for an empty array; its peak decides the underflow path, so a wrong one would skip or force it."""
+    import numpy as np
+    import torch
+
+    from kvq_numba.arrays import NumbaArrays
+
+    arrays = NumbaArrays()
+    rng = np.random.default_rng(1)
+    for dtype in (np.float32, np.float64, np.float16):
+        base = (rng.standard_normal((3, 5, 37)) * 1e-3).astype(dtype)
+        for index in ((0, 0, 0), (1, 2, 17), (2, 4, 36)):
+            for sign in (1, -1):
+                x = base.copy()
+                x[index] = sign * 7.5
+                for v in (x, x[:, ::2], x.transpose(2, 0, 1)):
+                    assert arrays.max_abs(v) == float(np.abs(v).max()) == 7.5, (dtype, index, sign)
+    t = torch.tensor([[-3.25, 2.0], [1.0, 0.5]])
+    assert arrays.max_abs(t) == 3.25 and arrays.max_abs(t[:, 1]) == 2.0
+    assert arrays.max_abs(np.zeros((2, 0), np.float32)) == 0.0
+
+
 def test_numba_rejects_non_finite_queries_and_blocks() -> None:
     """The compiled finiteness test still rejects NaN/Inf anywhere in a query or a K/V block, naming the input."""
     import numpy as np

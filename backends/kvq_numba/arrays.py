@@ -40,6 +40,14 @@ def as_float32(x: Any) -> np.ndarray:
     return np.ascontiguousarray(to_host(x), dtype=np.float32)
 
 
+def _finite_kernels() -> Any:
+    """:mod:`kvq_numba.cpu.finite`, imported (with numba) on first use."""
+    global _finite
+    if _finite is None:
+        from kvq_numba.cpu import finite as _finite
+    return _finite
+
+
 @functools.lru_cache(maxsize=32)
 def _host_dtype(name: str) -> np.dtype:
     """The NumPy dtype a host array of dtype ``name`` is kept in: bfloat16, which NumPy lacks, as float32."""
@@ -73,27 +81,22 @@ class NumbaArrays:
     def all_finite(self, x: Any) -> bool:
         """No NaN or Inf in ``x``: float32/float64/float16 host data in one compiled pass
         (:mod:`kvq_numba.cpu.finite`), other dtypes through NumPy."""
-        global _finite
         a = x if type(x) is np.ndarray else self.to_numpy(x)
         char = a.dtype.char
         if char != "f" and char != "d" and char != "e":
             return host_all_finite(a)
-        if _finite is None:
-            from kvq_numba.cpu import finite as _finite
+        finite = _finite_kernels()
         flat = a.ravel()  # contiguous (a copy only when a is not): one compiled signature per dtype
-        return bool(_finite.all_finite(flat) if char != "e" else _finite.half_bits_finite(flat.view(np.uint16)))
+        return bool(finite.all_finite(flat) if char != "e" else finite.half_bits_finite(flat.view(np.uint16)))
 
     def max_abs(self, x: Any) -> float:
         """Largest |x|, for the core's underflow check of each encoded block: float32/float64 host data in one
         compiled pass (NumPy's min and max are two, plus their conversions: most of a 1-token encode's checks)."""
-        global _finite
         a = x if type(x) is np.ndarray else self.to_numpy(x)
         char = a.dtype.char
         if char != "f" and char != "d":
             return max(0.0, -float(a.min()), float(a.max()))
-        if _finite is None:
-            from kvq_numba.cpu import finite as _finite
-        return float(_finite.max_abs(a.ravel()))
+        return float(_finite_kernels().max_abs(a.ravel()))
 
     def cast(self, x: Any, dtype: str) -> Any:
         """``x`` as ``dtype`` (bfloat16, which NumPy lacks, stays float32), on the device it came from."""
