@@ -121,10 +121,11 @@ class PackedKV:
         if not isinstance(self.fields, Mapping):
             raise LayoutError(f"{self._where()}: fields is a {type(self.fields).__name__}; expected a dict of arrays")
         layout = self.layout
-        if layout.keys() != self.fields.keys():
+        if layout.keys() != self.fields.keys():  # the usual case in one comparison; the names only on a mismatch
             missing = sorted(set(layout) - set(self.fields))
             extra = sorted(map(str, set(self.fields) - set(layout)))
-            raise LayoutError(f"{self.spec.method} {self.kind}: missing fields {missing}, unexpected {extra}")
+            if missing or extra:
+                raise LayoutError(f"{self.spec.method} {self.kind}: missing fields {missing}, unexpected {extra}")
         for name, f in layout.items():
             arr = self.fields[name]
             if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
