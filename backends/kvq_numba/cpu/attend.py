@@ -151,13 +151,13 @@ def attend_int_codes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale
                 _dequantize_key_rows(kbuf, n, ks, ko)
                 for i in range(n):
                     tok[i] = scale * knorm[b, t0 + i] if use_norm else scale
-                logits(qf, kbuf.reshape(BLOCK * d), d, n, tok, p)
+                logits(qf, kbuf.reshape(BLOCK * d), d, n, tok, p, nrt)
                 online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
                 unpack_rows(vcodes[b, h], t0, n, bits, d, vbuf)
                 halves(vsc, t0 * nvg, n * nvg, vs.reshape(BLOCK * nvg))
                 halves(voc, t0 * nvg, n * nvg, vo.reshape(BLOCK * nvg))
                 _dequantize_value_rows(vbuf, n, vs, vo)
-                weighted_rows(p.reshape(ROWS * BLOCK), BLOCK, vbuf.reshape(BLOCK * d), d, n, acc)
+                weighted_rows(p.reshape(ROWS * BLOCK), BLOCK, vbuf.reshape(BLOCK * d), d, n, acc, nrt)
         write_tile(acc, m, l, b, h, r0, nrt, out, lse)
     return out, lse
 

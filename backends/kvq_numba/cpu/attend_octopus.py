@@ -16,7 +16,7 @@ from kvq_numba.cpu import paged
 from kvq_numba.cpu.attend import online_softmax
 from kvq_numba.cpu.common import half_to_float
 from kvq_numba.cpu.octopus import decode_rows_at
-from kvq_numba.cpu.paged import (CODES, DESC, J_HEAD, J_KIND, J_REQ, J_T0, J_T1, WIDTH, half_at,
+from kvq_numba.cpu.paged import (CODES, DESC, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH, half_at,
                                  mask_block, start_job, store_partial, token_rows)
 from kvq_numba.cpu.simd import prefetch_bytes
 from kvq_numba.cpu.tiles import ROWS, logits, weighted_rows
@@ -81,7 +81,7 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
         for job in range(ch, jobs.shape[0], nch):
             if jobs[job, J_KIND] != CODES:
                 continue
-            req, h = jobs[job, J_REQ], jobs[job, J_HEAD]
+            req, h, nr = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_NROWS]
             start_job(q, jobs, job, first, row_lo, g, lim, qf, m, l, acc)
             for t0 in range(jobs[job, J_T0], jobs[job, J_T1], BLOCK):
                 n = min(BLOCK, jobs[job, J_T1] - t0)
@@ -95,7 +95,7 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                 for i in range(n):
                     tok[i] *= scale
                 decode_rows_at(kc, ka, n, krb, bits, code_table, kbuf)
-                logits(qf, kflat, d, n, tok, p)
+                logits(qf, kflat, d, n, tok, p, nr)
                 mask_block(p, n, t0, lim)
                 online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
                 if values_fp16:
@@ -117,7 +117,7 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                 for r in range(ROWS):
                     for i in range(n):
                         pw[r * BLOCK + i] = p[r, i] * vgam[i]
-                weighted_rows(pw, BLOCK, vflat, d, n, acc)
+                weighted_rows(pw, BLOCK, vflat, d, n, acc, nr)
             store_partial(job, m, l, acc, pm, pl, pacc)
 
 

@@ -224,7 +224,7 @@ def tail_jobs(q, jobs, first, row_lo, g, chunks, code_lens, tail_k, tail_v, slot
         for job in range(ch, jobs.shape[0], nch):
             if jobs[job, J_KIND] != TAIL:
                 continue
-            req, h = jobs[job, J_REQ], jobs[job, J_HEAD]
+            req, h, nr = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_NROWS]
             start_job(q, jobs, job, first, row_lo, g, lim, qf, m, l, acc)
             for r in range(ROWS):
                 lim[r] -= code_lens[req]  # tail tokens the row sees
@@ -233,10 +233,10 @@ def tail_jobs(q, jobs, first, row_lo, g, chunks, code_lens, tail_k, tail_v, slot
             t1 = jobs[job, J_T1]
             for t0 in range(0, t1, TAIL_BLOCK):
                 n = min(TAIL_BLOCK, t1 - t0)
-                logits(qf, kf[t0 * d:], d, n, tok, p)
+                logits(qf, kf[t0 * d:], d, n, tok, p, nr)
                 mask_block(p, n, t0, lim)
                 online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
-                weighted_rows(p.reshape(ROWS * TAIL_BLOCK), TAIL_BLOCK, vf[t0 * d:], d, n, acc)
+                weighted_rows(p.reshape(ROWS * TAIL_BLOCK), TAIL_BLOCK, vf[t0 * d:], d, n, acc, nr)
             store_partial(job, m, l, acc, pm, pl, pacc)
 
 

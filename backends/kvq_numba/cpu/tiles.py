@@ -4,7 +4,10 @@
 
 Both keep eight accumulators in registers: logits four rows by two tokens per pass over ``d``;
 ``P @ V`` four rows by two 8-channel vectors per pass over the block's tokens. ``d`` is a
-multiple of 16.
+multiple of 16. A tile computes only its real rows (``nr``): each is compiled once per row count
+1-4, the count a constant in each copy, so a GQA group of 3 (SmolLM2, Qwen) or 1 (multi-head
+attention) does not pay for the padding rows' multiplies (the planes kernel does the same,
+:mod:`kvq_numba.cpu.attend_planes`).
 """
 from __future__ import annotations
 
@@ -51,9 +54,10 @@ def write_tile(acc, m, l, b, h, r0, nrt, out, lse) -> None:
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def logits(qf, kf, d, n, tok, p) -> None:
+def _logits(qf, kf, d, n, tok, p, nr) -> None:
     """``p[r, i] = (qf[r] . kf[i]) * tok[i]`` for ``i < n``: ``qf`` [4 * d] and ``kf`` [>= n * d]
-    flat rows; an odd last token is computed twice."""
+    flat rows; rows from ``nr`` on (zero queries) get 0 without a multiply (``nr`` is a constant in
+    each inlined copy, :func:`logits`); an odd last token is computed twice."""
     for i in range(0, n, 2):
         i1 = min(i + 1, n - 1)
         a00, a01, a10, a11 = vzero(), vzero(), vzero(), vzero()
@@ -64,12 +68,15 @@ def logits(qf, kf, d, n, tok, p) -> None:
             k1 = vload(kf, o1 + c)
             q = vload(qf, c)
             a00, a01 = vfma(q, k0, a00), vfma(q, k1, a01)
-            q = vload(qf, d + c)
-            a10, a11 = vfma(q, k0, a10), vfma(q, k1, a11)
-            q = vload(qf, 2 * d + c)
-            a20, a21 = vfma(q, k0, a20), vfma(q, k1, a21)
-            q = vload(qf, 3 * d + c)
-            a30, a31 = vfma(q, k0, a30), vfma(q, k1, a31)
+            if nr > 1:
+                q = vload(qf, d + c)
+                a10, a11 = vfma(q, k0, a10), vfma(q, k1, a11)
+            if nr > 2:
+                q = vload(qf, 2 * d + c)
+                a20, a21 = vfma(q, k0, a20), vfma(q, k1, a21)
+            if nr > 3:
+                q = vload(qf, 3 * d + c)
+                a30, a31 = vfma(q, k0, a30), vfma(q, k1, a31)
         ta, tb = tok[i], tok[i1]
         p[0, i], p[0, i1] = vhsum(a00) * ta, vhsum(a01) * tb
         p[1, i], p[1, i1] = vhsum(a10) * ta, vhsum(a11) * tb
@@ -77,10 +84,26 @@ def logits(qf, kf, d, n, tok, p) -> None:
         p[3, i], p[3, i1] = vhsum(a30) * ta, vhsum(a31) * tb
 
 
+@njit(fastmath=True, cache=True)
+def logits(qf, kf, d, n, tok, p, nr) -> None:
+    """:func:`_logits` for a tile whose first ``nr`` rows are real: one inlined copy per row count, so
+    a tile of fewer than four rows (GQA groups of 1-3, the last tile of a group of 5-7) multiplies
+    only those (a called function, not inlined: four copies inlined into every kernel doubled its
+    compile time)."""
+    if nr >= 4:
+        _logits(qf, kf, d, n, tok, p, 4)
+    elif nr == 3:
+        _logits(qf, kf, d, n, tok, p, 3)
+    elif nr == 2:
+        _logits(qf, kf, d, n, tok, p, 2)
+    else:
+        _logits(qf, kf, d, n, tok, p, 1)
+
+
 @njit(fastmath=True, cache=True, inline="always")
-def weighted_rows(pw, sb, vf, d, n, acc) -> None:
-    """``acc[r, c] += sum_i pw[r * sb + i] * vf[i, c]`` for ``i < n`` (``acc`` [4 * d], ``vf``
-    [>= n * d] flat rows)."""
+def _weighted_rows(pw, sb, vf, d, n, acc, nr) -> None:
+    """``acc[r, c] += sum_i pw[r * sb + i] * vf[i, c]`` for ``i < n`` and rows ``r < nr`` (``acc``
+    [4 * d], ``vf`` [>= n * d] flat rows; ``nr`` a constant per inlined copy, :func:`weighted_rows`)."""
     for c in range(0, d, 16):
         a00, a01, a10, a11 = vzero(), vzero(), vzero(), vzero()
         a20, a21, a30, a31 = vzero(), vzero(), vzero(), vzero()
@@ -89,12 +112,15 @@ def weighted_rows(pw, sb, vf, d, n, acc) -> None:
             v1 = vload(vf, i * d + c + 8)
             w = vsplat(pw[i])
             a00, a01 = vfma(w, v0, a00), vfma(w, v1, a01)
-            w = vsplat(pw[sb + i])
-            a10, a11 = vfma(w, v0, a10), vfma(w, v1, a11)
-            w = vsplat(pw[2 * sb + i])
-            a20, a21 = vfma(w, v0, a20), vfma(w, v1, a21)
-            w = vsplat(pw[3 * sb + i])
-            a30, a31 = vfma(w, v0, a30), vfma(w, v1, a31)
+            if nr > 1:
+                w = vsplat(pw[sb + i])
+                a10, a11 = vfma(w, v0, a10), vfma(w, v1, a11)
+            if nr > 2:
+                w = vsplat(pw[2 * sb + i])
+                a20, a21 = vfma(w, v0, a20), vfma(w, v1, a21)
+            if nr > 3:
+                w = vsplat(pw[3 * sb + i])
+                a30, a31 = vfma(w, v0, a30), vfma(w, v1, a31)
         vaccumulate(acc, c, a00)
         vaccumulate(acc, c + 8, a01)
         vaccumulate(acc, d + c, a10)
@@ -103,3 +129,17 @@ def weighted_rows(pw, sb, vf, d, n, acc) -> None:
         vaccumulate(acc, 2 * d + c + 8, a21)
         vaccumulate(acc, 3 * d + c, a30)
         vaccumulate(acc, 3 * d + c + 8, a31)
+
+
+@njit(fastmath=True, cache=True)
+def weighted_rows(pw, sb, vf, d, n, acc, nr) -> None:
+    """:func:`_weighted_rows` for a tile whose first ``nr`` rows are real, one inlined copy per row count
+    (as :func:`logits`)."""
+    if nr >= 4:
+        _weighted_rows(pw, sb, vf, d, n, acc, 4)
+    elif nr == 3:
+        _weighted_rows(pw, sb, vf, d, n, acc, 3)
+    elif nr == 2:
+        _weighted_rows(pw, sb, vf, d, n, acc, 2)
+    else:
+        _weighted_rows(pw, sb, vf, d, n, acc, 1)
