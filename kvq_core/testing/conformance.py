@@ -585,7 +585,7 @@ def check_method(
     head_dims: Sequence[int] = HEAD_DIMS,
     batches: Sequence[int] = (1, 2),
     kv_heads: Sequence[int] = (1, 2, 3),
-    gqa: Sequence[int] = (1, 2, 4),
+    gqa: Sequence[int] = (1, 2, 3, 4),
     q_lens: Sequence[int] = (1, 2, 5),
     max_tokens: int = 160,
     tokens: Sequence[int] | None = None,
@@ -610,7 +610,9 @@ def check_method(
     ``asarray``; pass e.g. ``lambda a: torch.from_numpy(a).cuda()`` for a device).
     ``exact_codes=True`` turns the tie rule off (see :func:`check_case`). ``fixed_specs``
     (parameter dicts) names the specs of the edge cases (see :func:`fixed_spec_list`);
-    ``layers`` the layers drawn; ``ties`` runs :func:`check_ties`.
+    ``layers`` the layers drawn; ``ties`` runs :func:`check_ties`. ``gqa`` includes 3 so that query
+    tiles of 1, 2, 3 and 4 rows all occur with the default ``q_lens`` (CPU kernels compile a copy per
+    row count).
     """
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st

@@ -173,7 +173,7 @@ def cases(
     head_dims: Sequence[int] = HEAD_DIMS,
     batches: Sequence[int] = (1, 2),
     kv_heads: Sequence[int] = (1, 2, 3),
-    gqa: Sequence[int] = (1, 2, 4),
+    gqa: Sequence[int] = (1, 2, 3, 4),
     q_lens: Sequence[int] = (1, 2, 5),
     tokens: st.SearchStrategy[int] | None = None,
     dtypes: Sequence[str] = DTYPES,
