@@ -73,6 +73,16 @@ def _check(out: Path, prompts: list[int]) -> dict:
     for p in prompts:
         ref = rows[(decode.parse_config(decode.REFERENCE).label, p)]
         assert ref["ratio"] == 1.0 and ref["match"]["same"] == ref["match"]["of"] and ref["match"]["first_diff"] is None
+        assert ref["segment_ratios"] == [1.0] * res["args"]["repeats"] and ref["segment_ratio_median"] == 1.0
+        for label in {lb for lb, q in rows if q == p}:
+            r = rows[(label, p)]
+            if r["status"] != "ok":
+                continue
+            pairs = [a / b for a, b in zip(r["segment_tokens_per_s"], ref["segment_tokens_per_s"])]
+            assert r["segment_ratios"] == pytest.approx(pairs) and len(pairs) == res["args"]["repeats"]
+            assert min(pairs) <= r["segment_ratio_median"] <= max(pairs)
+            assert f"| {label} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {r['segment_ratio_median']:.2f}x (" \
+                in out.with_suffix(".md").read_text()
     assert out.with_suffix(".md").read_text().startswith("# kvq bench decode")
     return res
 
@@ -113,3 +123,32 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["bench", "decode", "--help"])
     assert exc.value.code == 0
     assert "--prompts" in capsys.readouterr().out
+
+
+def test_layer_times_script_on_tiny_llama(tiny_model: Path, tmp_path: Path) -> None:
+    """``bench/decode_layer_times.py``: per-layer timers of each cache, every timer removed afterwards, no overwrite."""
+    import runpy
+
+    from kvq_core.integrations.hf.layer import KVQLayer
+
+    script = Path(__file__).parents[1] / "bench" / "decode_layer_times.py"
+    mod = runpy.run_path(str(script))
+    update = KVQLayer.update
+    out = tmp_path / "times.json"
+    argv = ["--prompt", "300", "--steps", "2", "--rounds", "2", "--configs", "fp", "oscar:bits=2", "--text-file",
+            str(tiny_model), "--out", str(out)]
+    assert mod["main"](argv) == 0
+    res = json.loads(out.read_text())
+    fp, oscar = res["rows"]
+    assert [fp["label"], oscar["label"]] == ["fp", "oscar-2"] and len(fp["step_ms"]) == 2
+    assert fp["calls_per_layer"]["cache_utils.DynamicLayer.update"] == 1.0
+    assert oscar["calls_per_layer"]["layer.KVQLayer.update"] == 1.0
+    assert oscar["calls_per_layer"]["attention function 'kvq'"] == 1.0
+    # nested: attention from codes (300 tokens: OScaR's 128-token blocks exist) inside the attention function,
+    # itself inside the step
+    us = oscar["us_per_layer"]
+    assert 0 < us["attention.attend_codes"] <= us["attention function 'kvq'"] < 1e3 * min(oscar["step_ms"]) / 2
+    assert KVQLayer.update is update  # timers removed
+    assert "| `layer.KVQLayer.update` |" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit, match="never overwritten"):
+        mod["main"](argv)

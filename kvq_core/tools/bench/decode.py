@@ -336,6 +336,11 @@ def finish(runs: list[Run], token_elements: int, rows: list[dict[str, Any]]) -> 
         if not run.ok:
             continue
         run.row["ratio"] = run.row["tokens_per_s"] / ref.row["tokens_per_s"]
+        # segment i of every cache ran back to back (round-robin), so their ratio shares the machine's state;
+        # on a machine whose speed drifts between segments it is steadier than the ratio of the medians
+        pairs = [r / f for r, f in zip(run.rates, ref.rates)]
+        run.row["segment_ratios"] = pairs
+        run.row["segment_ratio_median"] = statistics.median(pairs)
         run.row["kv_bytes_vs_dynamic"] = run.row["kv_bytes"] / ref.row["kv_bytes"]
         if "contended_tokens_per_s" in run.row and "contended_tokens_per_s" in ref.row:
             run.row["contended_ratio"] = run.row["contended_tokens_per_s"] / ref.row["contended_tokens_per_s"]
@@ -353,6 +358,14 @@ def _num(x: float | None, unit: str = "") -> str:
     return "-" if x is None else (f"{x:.2f}{unit}" if unit else f"{x:.1f}")
 
 
+def _segments(r: dict[str, Any]) -> str:
+    """A row's paired per-segment ratios as ``median (min-max)`` ("-" in results written before they were kept)."""
+    pairs = r.get("segment_ratios")
+    if not pairs:
+        return "-"
+    return f"{r['segment_ratio_median']:.2f}x ({min(pairs):.2f}-{max(pairs):.2f})"
+
+
 def render_md(res: dict[str, Any]) -> str:
     """The Markdown report: a header on the machine and method, one table per prompt length."""
     m, a = res["machine"], res["args"]
@@ -363,7 +376,9 @@ def render_md(res: dict[str, Any]) -> str:
              f"capability **{m['cpu_capability']}**, **{m['threads']} torch thread(s)**, torch {m['torch']}, "
              f"transformers {m['transformers']}, load average {m['load_start']} at start, {m['load_end']} at end. "
              f"tokens/s: median of {a['repeats']} segment(s) of {a['new']} steps, run round-robin over the caches; "
-             f"ratio: to DynamicCache on the same prompt in this run. Per-step ms by part (disjoint, summing to the "
+             f"ratio: to DynamicCache on the same prompt in this run (medians' ratio); *per segment*: the median "
+             f"(min-max) of the {a['repeats']} paired ratios, each segment's tokens/s over DynamicCache's in the "
+             "same round (steadier where the machine's speed drifts). Per-step ms by part (disjoint, summing to the "
              f"step): one instrumented segment of {a['profile_steps']} steps; *codes* is the share of attention spent "
              "in `Quantizer.attend_window` (blocks and exact window in one call) or `Quantizer.attend`, *decode* the codec decode inside cache or attention. Same tokens: greedy tokens "
              "equal to DynamicCache's, position by position (first difference in brackets)."
@@ -375,21 +390,22 @@ def render_md(res: dict[str, Any]) -> str:
         lines += [f"**Warning:** torch ran with {drift} thread(s) by the end of some runs, not {m['threads']}.", ""]
     for prompt in a["prompts"]:
         lines += [f"## prompt {prompt} tokens", "",
-                  "| cache | tokens/s | vs dynamic | contended tokens/s | vs dynamic | first step s | prefill s | step ms "
+                  "| cache | tokens/s | vs dynamic | per segment | contended tokens/s | vs dynamic | first step s | prefill s | step ms "
                   "| encode | cache | attention (codes) | other | decode | KV MB | vs dynamic | same tokens | backend |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in res["rows"]:
             if r["prompt"] != prompt:
                 continue
             if r["status"] != "ok":
                 reason = " ".join(r["reason"].split()).replace("|", "/")
-                lines.append(f"| {r['label']} | {r['status']}: {reason} |" + " |" * 15)
+                lines.append(f"| {r['label']} | {r['status']}: {reason} |" + " |" * 16)
                 continue
             b, d, mt = r["breakdown_ms"], r["detail_ms"], r["match"]
             diff = "" if mt["first_diff"] is None else f" [{mt['first_diff']}]"
             backend = ", ".join(f"{k} x{v}" for k, v in r["backends"].items()) or "-"
             lines.append(
-                f"| {r['label']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {_num(r.get('contended_tokens_per_s'))} | "
+                f"| {r['label']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {_segments(r)} | "
+                f"{_num(r.get('contended_tokens_per_s'))} | "
                 f"{_num(r.get('contended_ratio'), 'x')} | {r['first_step_s']:.2f} | "
                 f"{r['prefill_s']:.1f} | {_ms(d['step'])} | {_ms(b['encode'])} | {_ms(b['cache'])} | "
                 f"{_ms(b['attention'])} ({_ms(d['codes'])}) | {_ms(b['other'])} | {_ms(d['decode'])} | "
