@@ -79,6 +79,32 @@ def test_numba_attend_window_split_across_threads(monkeypatch, lengths):
         numba.set_num_threads(before)
 
 
+@pytest.mark.parametrize("method,params,lengths", [("oscar", {"bits": 2}, (160, 64)), ("octopus", {"bits": 3}, (160, 64, 33)),
+                                                    ("octopus", {"bits": 2, "values": "fp16"}, (40,))],
+                         ids=["oscar-2blocks", "octopus-3blocks", "octopus-fp16-1block"])
+def test_numba_one_call_equals_its_plan_path(monkeypatch, method, params, lengths):
+    """numba's one compiled window call (up to two int-code or three OCTOPUS blocks) computes what its plan path
+    (:func:`kvq_numba.cpu.window.run`, any number of blocks, several kernel calls) does, bit for bit."""
+    pytest.importorskip("numba")
+    from kvq_numba.cpu import attend_octopus, attend_planes
+
+    rng = np.random.default_rng(3)
+    quant = get_quantizer(method, "numba", head_dim=64, **params)
+    b, hk, g, d, w = 2, 3, 3, 64, 12
+    blocks = [(quant.encode_keys(rng.standard_normal((b, hk, t, d), dtype=np.float32)),
+               quant.encode_values(rng.standard_normal((b, hk, t, d), dtype=np.float32))) for t in lengths]
+    wk, wv = (rng.standard_normal((b, hk, w, d), dtype=np.float32) for _ in range(2))
+    for q_len in (1, 4):
+        q = rng.standard_normal((b, hk * g, q_len, d), dtype=np.float32)
+        one_call = quant.attend_window(q, blocks, wk, wv, scale=0.2)
+        with monkeypatch.context() as m:  # no block count fits the one call: the plan path
+            m.setattr(attend_planes, "WINDOW_BLOCKS", 0)
+            m.setattr(attend_octopus, "WINDOW_BLOCKS", 0)
+            planned = quant.attend_window(q, blocks, wk, wv, scale=0.2)
+        for got, want in zip(one_call, planned):
+            np.testing.assert_array_equal(got, want)
+
+
 def _check_against_reference(backend, method, params, q_len, lengths):
     pytest.importorskip(backend)
     rng = np.random.default_rng(q_len)

@@ -198,7 +198,7 @@ class IntCodesNumba(DeviceRouted):
                        hk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
         b, hq, lq, d = q.shape
         g = hq // hk
-        if 1 <= len(blocks) <= 2:  # a KVQCache layer's usual state: everything in one compiled call
+        if 1 <= len(blocks) <= cpu_attend_planes.WINDOW_BLOCKS:  # a KVQCache layer's usual state: one compiled call
             memo = getattr(blocks, "memo", {})  # a WindowPlan's blocks keep it over decode steps
             planned = memo.get((_PLANES, b, lq, g))
             if planned is None:

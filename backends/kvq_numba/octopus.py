@@ -28,6 +28,8 @@ _NO_NORMS = np.zeros((1, 1, 1), np.float32)
 _NO_HALVES = np.zeros((1, 1, 1, 1), np.uint16)
 #: the blocks' memo key of their job functions (one per scale: it is compiled into them)
 _JOBS = "kvq_numba.octopus_jobs"
+#: the blocks' memo key of what the one-call window kernel takes from them
+_WINDOW = "kvq_numba.octopus_window"
 
 
 class OctopusNumba(DeviceRouted):
@@ -140,20 +142,44 @@ class OctopusNumba(DeviceRouted):
 
     def attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                       ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
-        """Packed blocks then an exact window in one plan and one combine (:mod:`kvq_numba.cpu.window`)."""
+        """Packed blocks then an exact window in one plan and one combine: up to three blocks (a sliding-flush layer
+        at almost every decode step) in one compiled call (:func:`kvq_numba.cpu.attend_octopus.octopus_window`),
+        more through :func:`kvq_numba.cpu.window.run`."""
         b, hq, lq, d = q.shape
         work = b * hq * lq * (ctx.shape[2] + window_k.shape[2]) * d
         return threads.run(work, self._attend_window, q, blocks, window_k, window_v, ctx, scale)
+
+    def _plan_window(self, blocks: list[tuple[Fields, Fields, int]], ctx: KernelContext, b: int, lq: int,
+                     g: int) -> tuple[Any, ...]:
+        """What :func:`kvq_numba.cpu.attend_octopus.octopus_window` takes from up to ``WINDOW_BLOCKS`` blocks
+        alone: their field buffers and descriptors (the first block's repeated in the absent places, never
+        read), token counts, the layer's signs, and the token split for ``b`` x ``lq`` x ``g`` query rows."""
+        prepared = [cpu_attend_octopus.contiguous_block(*self._block_args(kf, vf, ctx, 1.0)[:6]) for kf, vf, _ in blocks]
+        prepared += prepared[:1] * (cpu_attend_octopus.WINDOW_BLOCKS - len(prepared))
+        tokens = np.array([t for _, _, t in blocks] + [0] * (cpu_attend_octopus.WINDOW_BLOCKS - len(blocks)), np.int64)
+        split, chunks = cpu_window.split_plan(b, lq, g, ctx.shape[1], int(tokens.sum()), [cpu_attend_octopus.BLOCK])
+        signs = np.ascontiguousarray(ctx.consts["signs"], np.float32)
+        return (tuple(p[0] for p in prepared), tuple(p[1] for p in prepared), tokens, len(blocks), signs, split,
+                chunks)
 
     def _attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                        ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
         b, hq, lq, d = q.shape
         hk = ctx.shape[1]
         g = hq // hk
+        memo = getattr(blocks, "memo", {})  # a WindowPlan's blocks keep it over decode steps
+        if 1 <= len(blocks) <= cpu_attend_octopus.WINDOW_BLOCKS:  # a sliding-flush layer's usual state: one call
+            planned = memo.get((_WINDOW, b, lq, g))
+            if planned is None:
+                planned = memo[(_WINDOW, b, lq, g)] = self._plan_window(blocks, ctx, b, lq, g)
+            bufs, desc, tokens, nseg, signs, split, chunks = planned
+            bits, table = self._books(ctx.consts)
+            return cpu_attend_octopus.octopus_window(
+                as_float32(q), as_float32(window_k), as_float32(window_v), signs, self.inv_sqrt_d, bufs, desc, tokens,
+                nseg, self.values_fp16, bits, table, np.float32(scale), split, chunks)
         to_keys, back = self.domains(ctx.consts)
         qo = cpu_window.grouped_queries(as_float32(q), hk)
         qc = to_keys(qo[None])[0]
-        memo = getattr(blocks, "memo", {})  # a WindowPlan's blocks keep it over decode steps
         jobs = memo.get((_JOBS, scale))
         if jobs is None:
             jobs = memo[(_JOBS, scale)] = [(*cpu_attend_octopus.contiguous_jobs(*self._block_args(kf, vf, ctx, scale)), t)

@@ -9,17 +9,20 @@ query count in the last tile are zeros; their results are dropped. Decoded block
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu import paged
 from kvq_numba.cpu.attend import online_softmax
-from kvq_numba.cpu.common import half_to_float
+from kvq_numba.cpu.common import fwht_block, half_to_float
 from kvq_numba.cpu.octopus import decode_rows_at
 from kvq_numba.cpu.paged import (CODES, DESC, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH, half_at,
                                  mask_block, start_job, store_partial, token_rows)
 from kvq_numba.cpu.simd import prefetch_bytes
 from kvq_numba.cpu.tiles import ROWS, logits, weighted_rows
+from kvq_numba.cpu.window import block_plan, finish, group_rows
 
 #: tokens per online-softmax block (two decoded [BLOCK, d] blocks stay in L1 at d = 128)
 BLOCK = 32
@@ -121,22 +124,74 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
             store_partial(job, m, l, acc, pm, pl, pacc)
 
 
-def contiguous_jobs(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
-    """``(jobs_fn, align)``: :func:`octopus_jobs` over one contiguous block (the trivial page table:
-    request ``b`` is batch element ``b``), for :func:`kvq_numba.cpu.paged.run` and its kin."""
-    nhk, nt, krb = kcodes.shape[1], kcodes.shape[2], kcodes.shape[3]
+#: most blocks :func:`octopus_window` takes (a sliding-flush layer holds 2-3: kvq_core.integrations.hf.flush.JOIN_RATIO)
+WINDOW_BLOCKS = 3
+
+
+@njit(cache=True)
+def octopus_window(q, tk, tv, signs, inv_sqrt_d, bufs, desc, tokens, nseg, values_fp16, bits, code_table, scale, split,
+                   chunks):
+    """``(out [b, q_heads, q_len, d], lse [b, q_heads, q_len])``: a decode step over the first ``nseg`` (at most
+    :data:`WINDOW_BLOCKS`) contiguous OCTOPUS blocks then the exact window ``tk`` / ``tv`` float32 [b, kv_heads,
+    w, d], in one compiled call: what :func:`kvq_numba.cpu.window.run` does with :func:`octopus_jobs` (queries
+    grouped and rotated into the keys' domain, ``H diag(s_h) q``; the codes' partials brought back, ``diag(s_h)
+    H``, unless the values are float16 rows; the window's jobs; one combine) without its Python steps and
+    their kernel launches. Block ``s`` has ``tokens[s]`` tokens, its five field buffers in ``bufs[s]`` and its
+    descriptor rows in ``desc[s]`` (:func:`contiguous_block`); ``signs`` float32 [kv_heads, d]."""
+    b, hq, lq, d = q.shape
+    nhk, w = tk.shape[1], tk.shape[2]
+    g = hq // nhk
+    qo = group_rows(q, nhk)
+    qc = np.empty_like(qo)
+    for h in range(nhk):
+        for r in range(qo.shape[1]):
+            for c in range(d):
+                qc[h, r, c] = qo[h, r, c] * signs[h, c]
+    fwht_block(qc.reshape(nhk * qo.shape[1], d), qc.reshape(nhk * qo.shape[1], d), inv_sqrt_d)
+    coded, jobs, groups, local, first, row_lo, table, pm, pl, pacc = block_plan(b, lq, g, nhk, d, tokens, nseg, w, split)
+    for s in range(nseg):
+        kc, kn, vc, vn, vh = bufs[s]
+        octopus_jobs(qc, local[s], first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc[s], values_fp16, bits,
+                     code_table, scale, pm, pl, pacc)
+    if not values_fp16:  # partials from the values' domain back to the original one (linear)
+        flat = pacc.reshape(jobs.shape[0] * ROWS, d)
+        fwht_block(flat, flat, inv_sqrt_d)
+        for j in range(jobs.shape[0]):
+            h = jobs[j, J_HEAD]
+            for r in range(ROWS):
+                for c in range(d):
+                    pacc[j, r * d + c] *= signs[h, c]
+    return finish(qo, jobs, groups, first, row_lo, g, chunks, coded, tk, tv, scale, pm, pl, pacc, b, lq)
+
+
+def contiguous_block(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16):
+    """``(buffers, desc)``: one contiguous block's five field buffers (flat bytes, no copy) and their descriptor
+    rows, as :func:`octopus_jobs` reads them (the trivial page table: request ``b`` is batch element ``b``)."""
+    desc = _contiguous_desc(kcodes.shape[1], kcodes.shape[2], kcodes.shape[3], vcodes.shape[3], vhalf.shape[3],
+                            bool(values_fp16))
+    return (_bytes(kcodes), _bytes(kgamma), _bytes(vcodes), _bytes(vgamma), _bytes(vhalf)), desc
+
+
+@functools.lru_cache(maxsize=256)
+def _contiguous_desc(nhk: int, nt: int, krb: int, vrb: int, d: int, values_fp16: bool) -> np.ndarray:
+    """The descriptor rows of a contiguous block of these shapes, shared by every block of them (never written;
+    a sliding flush makes new blocks every decode step)."""
     desc = np.zeros((5, DESC), np.int64)
     #        rows per block, block stride, head stride, row stride, offset, width, group rows
     desc[F_KC] = (nt, nhk * nt * krb, nt * krb, krb, 0, krb, 1)
     desc[F_KN] = (nt, nhk * nt * 4, nt * 4, 4, 0, 4, 1)
     if values_fp16:
-        d = vhalf.shape[3]
         desc[F_VH] = (nt, nhk * nt * 2 * d, nt * 2 * d, 2 * d, 0, 2 * d, 1)
     else:
-        vrb = vcodes.shape[3]
         desc[F_VC] = (nt, nhk * nt * vrb, nt * vrb, vrb, 0, vrb, 1)
         desc[F_VN] = desc[F_KN]
-    bufs = [_bytes(a) for a in (kcodes, kgamma, vcodes, vgamma, vhalf)]
+    return desc
+
+
+def contiguous_jobs(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
+    """``(jobs_fn, align)``: :func:`octopus_jobs` over one contiguous block (:func:`contiguous_block`), for
+    :func:`kvq_numba.cpu.paged.run` and its kin."""
+    bufs, desc = contiguous_block(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16)
     scale = np.float32(scale)
 
     def jobs_fn(qh, jobs, first, row_lo, g, tab, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202

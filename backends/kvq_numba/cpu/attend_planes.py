@@ -38,10 +38,12 @@ from kvq_numba.cpu.paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROW
 from kvq_numba.cpu.simd import (bytes8, halves, plane, prefetch_bytes, vaccumulate, vfma, vhsum, vload, vmul, vsplat,
                                 vstore, vzero)
 from kvq_numba.cpu.tiles import ROWS
-from kvq_numba.cpu.window import local_jobs, plan_segments
+from kvq_numba.cpu.window import block_plan, finish, group_rows
 
 #: most tokens per online-softmax block (rounded down to whole key groups, at least one group)
 BLOCK = 128
+#: most blocks :func:`planes_window` takes (a KVQCache layer holds one or two at almost every decode step)
+WINDOW_BLOCKS = 2
 
 
 def fits(bits: int, head_dim: int, value_group: int) -> bool:
@@ -386,29 +388,12 @@ def planes_window(q, tk, tv, rotate, inv_sqrt_d, bufs, desc, tokens, use_norm, b
     b, hq, lq, d = q.shape
     nhk, w = tk.shape[1], tk.shape[2]
     g = hq // nhk
-    rows = lq * g
-    qo = np.empty((nhk, b * rows, d), np.float32)
-    for bi in range(b):
-        for h in range(nhk):
-            for t in range(lq):
-                for gi in range(g):
-                    qo[h, (bi * lq + t) * g + gi] = q[bi, h * g + gi, t]
+    qo = group_rows(q, nhk)
     qc = qo.copy()
     if rotate:
-        fwht_block(qc.reshape(nhk * b * rows, d), qc.reshape(nhk * b * rows, d), inv_sqrt_d)
+        fwht_block(qc.reshape(nhk * b * lq * g, d), qc.reshape(nhk * b * lq * g, d), inv_sqrt_d)
     nseg = 2 if tokens[1] > 0 else 1
-    starts = np.zeros(nseg + 1, np.int64)
-    for s in range(nseg):
-        starts[s + 1] = starts[s] + tokens[s]
-    coded = starts[nseg]
-    jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, split)
-    local = local_jobs(jobs, segment, starts)
-    pm = np.empty((jobs.shape[0], ROWS), np.float32)
-    pl = np.empty((jobs.shape[0], ROWS), np.float32)
-    pacc = np.empty((jobs.shape[0], ROWS * d), np.float32)
-    row_lo = np.arange(b) * rows
-    first = np.full(b, coded + w - lq, np.int64)
-    table = np.arange(b).reshape(b, 1)
+    coded, jobs, groups, local, first, row_lo, table, pm, pl, pacc = block_plan(b, lq, g, nhk, d, tokens, nseg, w, split)
     for s in range(nseg):
         kc, ks, ko, kn, vc, vs, vo = bufs[s]
         planes_jobs(qc, local[s], first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc[s], use_norm, bits,
@@ -416,20 +401,7 @@ def planes_window(q, tk, tv, rotate, inv_sqrt_d, bufs, desc, tokens, use_norm, b
     if rotate:  # partials from the values' domain back to the original one (linear: unnormalised is fine)
         flat = pacc.reshape(jobs.shape[0] * ROWS, d)
         fwht_block(flat, flat, inv_sqrt_d)
-    paged.tail_jobs(qo, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b), scale, pm,
-                    pl, pacc)
-    o = np.zeros((nhk, b * rows, d), np.float32)
-    lo = np.zeros((nhk, b * rows), np.float32)
-    paged.combine(jobs, groups, pm, pl, pacc, o, lo)
-    out = np.empty((b, hq, lq, d), np.float32)
-    lse = np.empty((b, hq, lq), np.float32)
-    for bi in range(b):
-        for h in range(nhk):
-            for t in range(lq):
-                for gi in range(g):
-                    out[bi, h * g + gi, t] = o[h, (bi * lq + t) * g + gi]
-                    lse[bi, h * g + gi, t] = lo[h, (bi * lq + t) * g + gi]
-    return out, lse
+    return finish(qo, jobs, groups, first, row_lo, g, chunks, coded, tk, tv, scale, pm, pl, pacc, b, lq)
 
 
 def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):

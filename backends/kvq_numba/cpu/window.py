@@ -91,6 +91,64 @@ def local_jobs(jobs, segment, starts):
     return out
 
 
+@njit(cache=True, inline="always")
+def group_rows(q, nhk):
+    """Compiled :func:`grouped_queries`: queries float32 [b, q_heads, q_len, d] as a new [kv_heads, b * q_len *
+    g, d] array."""
+    b, hq, lq, d = q.shape
+    g = hq // nhk
+    qo = np.empty((nhk, b * lq * g, d), np.float32)
+    for bi in range(b):
+        for h in range(nhk):
+            for t in range(lq):
+                for gi in range(g):
+                    qo[h, (bi * lq + t) * g + gi] = q[bi, h * g + gi, t]
+    return qo
+
+
+@njit(cache=True, inline="always")
+def block_plan(b, lq, g, nhk, d, tokens, nseg, w, split):
+    """The jobs of one compiled window call over the first ``nseg`` blocks (``tokens[s]`` tokens each) then a
+    ``w``-token window (:func:`plan_segments`): ``(coded, jobs, groups, local, first, row_lo, table, pm, pl,
+    pacc)``, ``local[s]`` block ``s``'s jobs in its own coordinates, the partials allocated."""
+    starts = np.zeros(nseg + 1, np.int64)
+    for s in range(nseg):
+        starts[s + 1] = starts[s] + tokens[s]
+    coded = starts[nseg]
+    jobs, segment, groups = plan_segments(b, lq, g, nhk, starts, w, split)
+    local = local_jobs(jobs, segment, starts)
+    first = np.full(b, coded + w - lq, np.int64)
+    row_lo = np.arange(b) * (lq * g)
+    table = np.arange(b).reshape(b, 1)
+    pm = np.empty((jobs.shape[0], ROWS), np.float32)
+    pl = np.empty((jobs.shape[0], ROWS), np.float32)
+    pacc = np.empty((jobs.shape[0], ROWS * d), np.float32)
+    return coded, jobs, groups, local, first, row_lo, table, pm, pl, pacc
+
+
+@njit(cache=True, inline="always")
+def finish(qo, jobs, groups, first, row_lo, g, chunks, coded, tk, tv, scale, pm, pl, pacc, b, lq):
+    """After the CODES jobs of a compiled window call (partials in the original domain): the window's TAIL
+    jobs on the original queries ``qo`` (:func:`group_rows`), the combine, and the rows back to ``(out [b,
+    q_heads, q_len, d], lse [b, q_heads, q_len])``."""
+    nhk, nrow, d = qo.shape
+    hq = nhk * g
+    paged.tail_jobs(qo, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b), scale, pm,
+                    pl, pacc)
+    o = np.zeros((nhk, nrow, d), np.float32)
+    lo = np.zeros((nhk, nrow), np.float32)
+    paged.combine(jobs, groups, pm, pl, pacc, o, lo)
+    out = np.empty((b, hq, lq, d), np.float32)
+    lse = np.empty((b, hq, lq), np.float32)
+    for bi in range(b):
+        for h in range(nhk):
+            for t in range(lq):
+                for gi in range(g):
+                    out[bi, h * g + gi, t] = o[h, (bi * lq + t) * g + gi]
+                    lse[bi, h * g + gi, t] = lo[h, (bi * lq + t) * g + gi]
+    return out, lse
+
+
 def grouped_queries(q: np.ndarray, hk: int) -> np.ndarray:
     """Queries float32 [b, q_heads, q_len, d] as [kv_heads, b * q_len * g, d]: rows by request, then
     query token, then the GQA group (the plan's row order)."""
