@@ -112,3 +112,13 @@ def test_fidelity_bench_reports_the_rotation_cost_at_96(tmp_path) -> None:
     assert {r.split(" | ")[1] for r in rows} >= {"octopus", "oscar", "turboquant", "polarquant", "quarot"}
     ratios = [float(x) for r in rows for x in r.strip(" |").split(" | ")[3:]]
     assert len(ratios) == 6 * len(rows) and all(0.3 < x < 3 for x in ratios)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_octopus_short_code_rows_conform_on_numba(head_dim: int) -> None:
+    """Numba reads OCTOPUS codes with 8-byte loads, the last ones moved back to end with the row, and
+    rows under 8 bytes byte by byte: small head dims exercise all three (16 at b=2: 6-byte rows; at b=3:
+    exactly 8; 32: the moved-back tail loads; 64 and 128 are in the suite's draw)."""
+    report = testing.check_method("numba", "octopus", max_examples=12, head_dims=(head_dim,),
+                                  spec_params={"bits": (2, 3, 4), "values": ("octopus", "fp16")})
+    assert report.examples > 0

@@ -166,6 +166,16 @@ def plane(typingctx, x, shift, mask, center):  # noqa: ANN001, ANN201
 
 
 @intrinsic
+def load_u64(typingctx, buf, idx):  # noqa: ANN001, ANN201
+    """Bytes ``buf[idx:idx+8]`` (1-D uint8, unaligned) as one uint64 in host order, little-endian on x86
+    and AArch64 as the codes are packed: one load where assembling it took five loads, shifts and ors."""
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(64))
+        return builder.load(ptr, align=1)
+    return types.uint64(buf, idx), codegen
+
+
+@intrinsic
 def move4(typingctx, dst, di, src, si):  # noqa: ANN001, ANN201
     """``dst[di:di+4] = src[si:si+4]`` for 1-D float32 arrays: one 16-byte load and store."""
     def codegen(context, builder, sig, args):
