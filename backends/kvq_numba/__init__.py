@@ -14,5 +14,9 @@ What lives where:
 - Shared by both targets or by the backend as a whole: :mod:`~kvq_numba.rules` (scalar coding
   rules compiled for either), :mod:`~kvq_numba.arrays` (host/CUDA array handling),
   :mod:`~kvq_numba.threads` (CPU thread policy), :mod:`~kvq_numba.compile_notice` (the first-compile
-  line), :mod:`~kvq_numba.plugin` (registration and ``supports``).
+  line), :mod:`~kvq_numba.cache_stamp` (the disk cache dropped when the sources change, done here,
+  on import), :mod:`~kvq_numba.plugin` (registration and ``supports``).
 """
+from kvq_numba.cache_stamp import drop_stale
+
+drop_stale()  # before any kernel loads from Numba's disk cache: stale ones are deleted, not run
