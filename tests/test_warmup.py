@@ -31,3 +31,12 @@ def test_warmup_compiles_the_numba_kernels_a_cache_runs() -> None:
     for kernel in (intquant.encode_token_groups, intquant.encode_channel_groups, rotation.unit_keys,
                    intquant.decode_token_groups, intquant.decode_channel_groups):
         assert kernel.signatures, kernel  # compiled or loaded from the disk cache in this process
+
+
+def test_warmup_compiles_octopus_encode_for_blocks_and_for_one_token() -> None:
+    pytest.importorskip("numba")
+    from kvq_numba.cpu import octopus
+
+    assert main(["warmup", "octopus:bits=3", "--head-dim", "64"]) == 0
+    for kernel in (octopus.encode_serial, octopus._triplet_codes, octopus.signed_units):  # a decode step's token; a prefill
+        assert kernel.signatures, kernel

@@ -60,7 +60,7 @@ def parse_method(text: str) -> tuple[str, dict[str, Any]]:
 
 def warm(method: str, params: dict[str, Any], shape: dict[str, int], backend: str = "auto",
          device: str | None = "cpu", say: Any = print) -> float:
-    """Encode, decode and attend a small block of ``method`` on ``backend`` (``"auto"``: what a
+    """Encode (a block and one token), decode and attend a small block of ``method`` on ``backend`` (``"auto"``: what a
     ``KVQCache`` on ``device`` picks), and attend it with an exact window where the backend fuses
     the two (:meth:`kvq_core.Quantizer.attend_window`); returns the seconds it took."""
     import kvq_core
@@ -75,6 +75,7 @@ def warm(method: str, params: dict[str, Any], shape: dict[str, int], backend: st
     label = f"kvq warmup: {q.spec.describe()} on {q.backend}:"
     say(f"{label} encode ...")
     pk, pv = q.encode_keys(kv), q.encode_values(kv)
+    q.encode_keys(kv[:, :, :1]), q.encode_values(kv[:, :, :1])  # a decode step's token: small calls may run other kernels
     say(f"{label} decode ...")
     q.decode_keys(pk), q.decode_values(pv)
     say(f"{label} attend ...")

@@ -13,16 +13,48 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu.common import CHUNK, fwht_heads, pack_row, sum_squares
+from kvq_numba.cpu.common import CHUNK, fwht_block, fwht_heads, pack_row, sum_squares
 from kvq_numba.cpu.simd import load_u64, move4
 from kvq_numba.rules import NEIGHBOURS, row_bytes, sgn
 
+#: rows (b x h x t) up to which :func:`encode` makes one serial compiled call: a decode step's few tokens, where
+#: the parallel path's two parallel regions and three calls cost ~10 us against ~5 us (AVX-512, one thread)
+SERIAL_ROWS = 64
+
+
 def encode(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
     """Codes uint8 [b, h, t, row_bytes] and norms gamma float32 [b, h, t] of C-contiguous float32
-    x [b, h, t, d]: normalise and sign, rotate (:func:`fwht_heads`), then one code per triplet."""
+    x [b, h, t, d]: normalise and sign, rotate (:func:`fwht_heads`), then one code per triplet. Up to
+    :data:`SERIAL_ROWS` rows in one serial call (:func:`encode_serial`, the same steps: bit-identical)."""
+    if x.shape[0] * x.shape[1] * x.shape[2] <= SERIAL_ROWS:
+        return encode_serial(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits,
+                             joint)
     v, gamma = signed_units(x, signs)
     fwht_heads(v, v, inv_sqrt_d)
     codes = _triplet_codes(v, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint)
+    return codes, gamma
+
+
+@njit(cache=True)
+def encode_serial(x, signs, inv_sqrt_d, xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint):
+    """:func:`encode` of a few rows in one compiled call on this thread (:func:`signed_unit`, :func:`fwht_block`
+    over all rows, :func:`code_row`)."""
+    nb, nh, nt, d = x.shape
+    v = np.empty_like(x)
+    gamma = np.empty((nb, nh, nt), np.float32)
+    for b in range(nb):
+        for h in range(nh):
+            for t in range(nt):
+                gamma[b, h, t] = signed_unit(x[b, h, t], signs[h], v[b, h, t])
+    rows = v.reshape(-1, d)
+    fwht_block(rows, rows, inv_sqrt_d)
+    codes = np.zeros((nb, nh, nt, row_bytes((d + 2) // 3, bits)), np.uint8)
+    fs, js = code_scratch(d)
+    for b in range(nb):
+        for h in range(nh):
+            for t in range(nt):
+                code_row(v[b, h, t], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits, bits, joint, fs, js,
+                         codes[b, h, t])
     return codes, gamma
 
 
