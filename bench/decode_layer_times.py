@@ -29,6 +29,11 @@ TIMED = [
     ("kvq_core.integrations.hf.layer", "KVQLayer.check_step"),
     ("kvq_core.integrations.hf.layer", "KVQLayer._encode_flush"),
     ("kvq_core.integrations.hf.layer", "KVQLayer._settle"),
+    ("kvq_core.integrations.hf.layer", "KVQLayer.window_plan"),
+    ("kvq_core.integrations.hf.layer", "concat_tokens"),
+    ("kvq_core.api", "Quantizer.encode_keys"),
+    ("kvq_core.api", "Quantizer.encode_values"),
+    ("kvq_core.api", "Quantizer.plan_window"),
     ("kvq_core.integrations.hf.layer", "step_view"),
     ("kvq_core.integrations.hf.attention", "_sdpa"),
     ("kvq_core.integrations.hf.attention", "attend_codes"),
@@ -41,6 +46,8 @@ TIMED = [
     ("kvq_numba.intcodes", "cpu_attend_planes.planes_window"),
     ("kvq_numba.cpu.window", "run"),
     ("kvq_numba.octopus", "cpu_attend_octopus.contiguous_jobs"),
+    ("kvq_numba.octopus", "cpu_attend_octopus.octopus_window"),
+    ("kvq_numba.octopus", "cpu_octopus.encode"),
 ]
 
 
