@@ -19,14 +19,15 @@ from typing import Any
 
 def decode_rate(model: Any, ids: Any, cache: Any, new: int) -> tuple[float, int]:
     """Decode tokens/s after prefilling ``ids`` into ``cache``; and the blocks layer 0 holds."""
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
     import torch
 
     with torch.no_grad():
-        logits = model(ids, cache=cache, use_cache=True).logits
+        logits = model(ids, **cache_kwargs(model, cache), use_cache=True).logits
         tok = logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(new):
-            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tok = model(tok, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
         dt = time.perf_counter() - t0
     return new / dt, len(cache.kvq_layers[0].blocks)
 

@@ -116,6 +116,7 @@ class Timers:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompt", type=int, default=2048)
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per cache and round")
@@ -151,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in configs:  # prefill and warm each cache (compiles, or loads, the kernels)
             model.set_attn_implementation(attn_impl(cfg))
             cache = build_cache(cfg, model.config, attention="codes" if cfg.kind in KVQ_KINDS else "auto")
-            t = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            t = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             for _ in range(4):
-                t = model(t, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                t = model(t, **cache_kwargs(model, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             state[cfg.label] = [cache, t]
         timers = Timers()
         timers.install()
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     timers.clear()
                     t0 = time.perf_counter()
                     for _ in range(args.steps):
-                        t = model(t, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                        t = model(t, **cache_kwargs(model, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
                     step = (time.perf_counter() - t0) / args.steps
                     state[cfg.label][1] = t
                     n = args.steps * info["layers"]

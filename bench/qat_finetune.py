@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -116,6 +115,7 @@ def fine_tune(model: Any, data: list[Any], lr: float, codec: str | None, setting
 def evaluate(model: Any, tok: Any, held_ids: Any, builder: Any, configs: list[Any], args: argparse.Namespace,
              backend: str) -> dict[str, Any]:
     """PPL per cache over the held-out windows (shared prefill) and passkey recall per cache."""
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
     import torch
     from transformers import DynamicCache
 
@@ -130,7 +130,7 @@ def evaluate(model: Any, tok: Any, held_ids: Any, builder: Any, configs: list[An
         ids = held_ids[:, s:s + length]
         shared = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(ids[:, :args.prefix], cache=shared, use_cache=True)
+            model(ids[:, :args.prefix], **cache_kwargs(model, shared), use_cache=True)
         for c in configs:
             run, _ = score_window(model, ids, c, args.prefix, args.score, backend=backend, shared=shared, chunk=None)
             nll[c.label] += run["nll"]
@@ -145,7 +145,7 @@ def evaluate(model: Any, tok: Any, held_ids: Any, builder: Any, configs: list[An
                                                      rng, 1, offset=i * 3 * args.recall_context)
             shared = DynamicCache(config=model.config)
             with torch.no_grad():
-                model(torch.tensor([prefix]), cache=shared, use_cache=True)
+                model(torch.tensor([prefix]), **cache_kwargs(model, shared), use_cache=True)
             for c in configs:
                 text, _ = run_cell(model, tok, prefix, question, c, shared, backend, answer_tokens=8)
                 hits[c.label] += answer_ok(text, answer)

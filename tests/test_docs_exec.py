@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 sys.path.insert(0, str(Path(__file__).parent))
+from hf_version import skip_unless_cache_keyword  # noqa: E402
 
 #: what each README command-list line gets appended to run small; every line must be here
 TINY: dict[tuple[str, ...], list[str]] = {
@@ -325,6 +326,7 @@ def test_python_example_runs_and_prints_what_it_says(name: str, first: int, code
     if "import torch" in code or "transformers" in code or "kvq_core.integrations.hf" in code:
         pytest.importorskip("torch")
         pytest.importorskip("transformers")
+        skip_unless_cache_keyword(code)
     if "kvq_core.integrations.onnx" in code:
         for mod in ("onnx", "onnxscript", "onnxruntime"):
             pytest.importorskip(mod)

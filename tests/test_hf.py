@@ -22,7 +22,7 @@ from tiny_gguf import load_tiny_llama  # noqa: E402
 
 import kvq_core  # noqa: E402
 from kvq_core.errors import InputError, KVQError, SpecError  # noqa: E402
-from kvq_core.integrations.hf import KVQCache, KVQLayer, dynamic_cache_nbytes, merge_attention, register  # noqa: E402
+from kvq_core.integrations.hf import KVQCache, KVQLayer, cache_kwargs, dynamic_cache_nbytes, merge_attention, register  # noqa: E402
 
 from transformers import DynamicCache  # noqa: E402
 
@@ -58,7 +58,7 @@ def _attn(model, name):
 
 def _gen(model, ids, cache, n=12, **kw):
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache, **kw)
+        return model.generate(ids, max_new_tokens=n, do_sample=False, **cache_kwargs(model, cache), **kw)
 
 
 def _methods():
@@ -96,6 +96,46 @@ def test_fp16_equals_dynamic_with_past_key_values_kwarg(model):
             out = model.generate(ids, max_new_tokens=10, do_sample=False,
                                  past_key_values=KVQCache(model.config, "fp16", storage="float32", residual=8))
     assert torch.equal(out, ref)
+
+
+def test_cache_kwargs_names_the_keyword_this_transformers_takes(model):
+    """A forward call through ``cache_kwargs`` fills the cache handed in (a keyword the model does
+    not take would be swallowed by its ``**kwargs``, leaving the cache empty); the keyword is the
+    one the model class declares, and a model that declares neither is refused by name."""
+    from kvq_core.integrations.hf.cache_arg import cache_keyword
+
+    _attn(model, "sdpa")
+    cache = KVQCache(model.config, "oscar", bits=2, residual=8)
+    with torch.no_grad():
+        model(_ids(21), **cache_kwargs(model, cache), use_cache=True)
+    assert cache.get_seq_length() == 21
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class Neither:
+        def forward(self, input_ids=None, **kwargs): ...
+
+    assert cache_keyword(New) == "cache" and cache_keyword(Old) == "past_key_values"
+    with pytest.raises(TypeError, match="Neither.forward takes its cache by none of cache, past_key_values"):
+        cache_keyword(Neither)
+
+
+def test_layer_kwargs_of_either_transformers_shape_give_every_layer(model, monkeypatch):
+    """transformers before 5.19 returns one kwargs dict for all layers, later ones a list per layer:
+    KVQCache builds one layer per layer type from either (the dict once zipped to no layers)."""
+    from kvq_core.integrations.hf import cache as cache_mod
+
+    n = model.config.num_hidden_layers
+    monkeypatch.setattr(cache_mod, "get_layer_types_and_kwargs", lambda config: (["full_attention"] * n, {}))
+    shared = KVQCache(model.config, "oscar", bits=2)
+    monkeypatch.setattr(cache_mod, "get_layer_types_and_kwargs", lambda config: (["full_attention"] * n, [{}] * n))
+    per_layer = KVQCache(model.config, "oscar", bits=2)
+    assert len(shared.layers) == len(per_layer.layers) == n
+    assert [type(x) for x in shared.layers] == [type(x) for x in per_layer.layers] == [KVQLayer] * n
 
 
 def test_beam_search_reorders_packed_blocks(model):
@@ -142,21 +182,21 @@ def test_length_bookkeeping_across_prefill_decode_and_flush(model):
     cache = KVQCache(model.config, "oscar", bits=2, residual=8)
     layer = cache.layers[1]
     with torch.no_grad():
-        model(_ids(37), cache=cache)
+        model(_ids(37), **cache_kwargs(model, cache))
         assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (37, 32, 5)
         assert cache.get_mask_sizes(1, 0) == (38, 0)
         for step in range(1, 4):  # window 6, 7 -> kept; 8 -> attended, then flushed
-            model(_ids(1, seed=step), cache=cache)
+            model(_ids(1, seed=step), **cache_kwargs(model, cache))
         assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (40, 40, 0)
         assert layer.block_tokens == [40]  # the flush of 8 joined the block of 32 (32 <= JOIN_RATIO * 8)
-        model(_ids(1, seed=9), cache=cache)
+        model(_ids(1, seed=9), **cache_kwargs(model, cache))
         assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (41, 40, 1)
-        model(_ids(20, seed=10), cache=cache)  # a chunk: window 21 -> 16 packed, 5 kept
+        model(_ids(20, seed=10), **cache_kwargs(model, cache))  # a chunk: window 21 -> 16 packed, 5 kept
         assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (61, 56, 5)
     cache.reset()
     assert cache.get_seq_length() == 0 and layer.blocks == [] and not layer.is_initialized
     with torch.no_grad():
-        model(_ids(9), cache=cache)
+        model(_ids(9), **cache_kwargs(model, cache))
     assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (9, 8, 1)
 
 
@@ -188,18 +228,18 @@ def test_a_rejected_step_leaves_every_layer_unchanged(model):
 
     with torch.no_grad():
         for c in (cache, ref):
-            model(_ids(13), cache=c)
+            model(_ids(13), **cache_kwargs(model, c))
         last = cache.layers[-1]
         last.kq.encode_keys = reject  # 5 window tokens + 3 new = 8: every layer flushes a block
         with pytest.raises(KVQError, match="rejected for the test"):
-            model(_ids(3, seed=5), cache=cache)
+            model(_ids(3, seed=5), **cache_kwargs(model, cache))
         del last.kq.encode_keys
         for a, b in zip(cache.layers, ref.layers):
             assert a.get_seq_length() == b.get_seq_length() == 13
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
             assert getattr(a, "block_tokens", None) == getattr(b, "block_tokens", None)
-        got = model(_ids(3, seed=5), cache=cache).logits
-        want = model(_ids(3, seed=5), cache=ref).logits
+        got = model(_ids(3, seed=5), **cache_kwargs(model, cache)).logits
+        want = model(_ids(3, seed=5), **cache_kwargs(model, ref)).logits
     assert torch.equal(got, want)
 
 
@@ -215,7 +255,7 @@ def test_crop_inside_a_block_only_for_per_token_layouts(model):
     ids = _ids(20, seed=11)
     cache = KVQCache(model.config, "oscar", bits=4, residual=8)
     with torch.no_grad():
-        model(ids, cache=cache)  # 16 packed (one block of token groups) + 4 exact
+        model(ids, **cache_kwargs(model, cache))  # 16 packed (one block of token groups) + 4 exact
         cache.crop(-2)
         assert cache.get_seq_length() == 18 and cache.layers[0].window_length == 2
         with pytest.raises(KVQError, match="inside a packed block"):
@@ -226,14 +266,14 @@ def test_crop_inside_a_block_only_for_per_token_layouts(model):
         # a per-token layout keeps a block's leading tokens: cropping into the block, then
         # continuing, equals a fresh cache of the kept prefix
         cache = KVQCache(model.config, "fp16", storage="float32", residual=8)
-        model(ids, cache=cache)
+        model(ids, **cache_kwargs(model, cache))
         cache.crop(-7)  # 4 from the window, 3 from the packed block
         layer = cache.layers[0]
         assert (cache.get_seq_length(), layer.packed_length, layer.window_length) == (13, 13, 0)
         ref = DynamicCache(config=model.config)
-        model(ids[:, :13], cache=ref)
-        a = model(ids[:, 13:19], cache=cache).logits
-        b = model(ids[:, 13:19], cache=ref).logits
+        model(ids[:, :13], **cache_kwargs(model, ref))
+        a = model(ids[:, 13:19], **cache_kwargs(model, cache)).logits
+        b = model(ids[:, 13:19], **cache_kwargs(model, ref)).logits
     assert torch.allclose(a, b, atol=1e-5)
 
 
@@ -244,8 +284,8 @@ def test_fp_layers_and_split_key_value_codecs(model):
     layer = cache.layers[0]
     assert layer.key_spec.bits == 3 and layer.value_spec.bits == 2 and not layer.same_spec
     with torch.no_grad():
-        model(_ids(33), cache=cache)
-        model(_ids(1), cache=cache)  # attends over 32 packed + 2 exact tokens
+        model(_ids(33), **cache_kwargs(model, cache))
+        model(_ids(1), **cache_kwargs(model, cache))  # attends over 32 packed + 2 exact tokens
     report = cache.memory_report()
     assert report["fp_layer_bytes"] == dynamic_cache_nbytes(cache) - layer.window_bytes()
     assert 3.0 < report["stored_bits_per_element"] < 16.0 < report["bits_per_element"]  # + the decoded copy (sdpa)
@@ -259,9 +299,9 @@ def test_memory_accounting(model):
     ref = DynamicCache(config=model.config)
     cache = KVQCache(model.config, "oscar", bits=2, residual=16)
     with torch.no_grad():
-        model(ids, cache=ref)
-        model(ids, cache=cache)
-        model(_ids(1), cache=cache)  # dequant-mode attention decodes the packed history once
+        model(ids, **cache_kwargs(model, ref))
+        model(ids, **cache_kwargs(model, cache))
+        model(_ids(1), **cache_kwargs(model, cache))  # dequant-mode attention decodes the packed history once
     report = cache.memory_report()
     assert report["dynamic_cache_bytes"] == dynamic_cache_nbytes(ref) * 65 // 64
     assert report["stored_bytes"] == report["packed_bytes"] + report["window_bytes"] < dynamic_cache_nbytes(ref) / 3
@@ -284,9 +324,9 @@ def test_a_decoded_copy_warns_once_with_why_and_the_fix(model):
     cache = KVQCache(model.config, "oscar", bits=2, residual=16)
     with pytest.warns(KVQMemoryWarning) as got:
         with torch.no_grad():
-            model(_ids(40), cache=cache)
+            model(_ids(40), **cache_kwargs(model, cache))
             for _ in range(3):
-                model(_ids(1), cache=cache)
+                model(_ids(1), **cache_kwargs(model, cache))
     assert len(got) == 1
     message = str(got[0].message)
     assert "decoded float copy" in message and "'sdpa', not 'kvq'" in message
@@ -296,16 +336,16 @@ def test_a_decoded_copy_warns_once_with_why_and_the_fix(model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.no_grad():
-            model(_ids(40), cache=cache)
-            model(_ids(1), cache=cache)
+            model(_ids(40), **cache_kwargs(model, cache))
+            model(_ids(1), **cache_kwargs(model, cache))
     assert cache.memory_report()["total_bytes"] == cache.memory_report()["stored_bytes"]
     _attn(model, "sdpa")
     cache = KVQCache(model.config, "oscar", bits=2, residual=16, cache_decoded=False)  # no copy: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.no_grad():
-            model(_ids(40), cache=cache)
-            model(_ids(1), cache=cache)
+            model(_ids(40), **cache_kwargs(model, cache))
+            model(_ids(1), **cache_kwargs(model, cache))
 
 
 def test_head_dim_is_checked_against_the_method(models):
@@ -333,8 +373,8 @@ def test_codes_attention_matches_dequant_attention(model, method, params):
         _attn(model, attn)
         cache = KVQCache(model.config, method, residual=16, attention=mode, **params)
         with torch.no_grad():
-            outs = [model(ids[:, :35], cache=cache).logits, model(ids[:, 35:36], cache=cache).logits,
-                    model(ids[:, 36:50], cache=cache).logits]
+            outs = [model(ids[:, :35], **cache_kwargs(model, cache)).logits, model(ids[:, 35:36], **cache_kwargs(model, cache)).logits,
+                    model(ids[:, 36:50], **cache_kwargs(model, cache)).logits]
         logits[attn, mode] = torch.cat(outs, dim=1)
         if mode == "codes":
             assert cache.layers[0].codes_mode and cache.memory_report()["decoded_bytes"] == 0
@@ -358,7 +398,7 @@ def test_sliding_chunks_equal_token_by_token_decoding(model, method, params):
         pos, parts = 0, []
         with torch.no_grad():
             for n in steps:
-                parts.append(model(ids[:, pos:pos + n], cache=cache).logits)
+                parts.append(model(ids[:, pos:pos + n], **cache_kwargs(model, cache)).logits)
                 pos += n
         out[attn, mode, len(steps)] = torch.cat(parts, dim=1)
         layer = cache.layers[0]
@@ -386,7 +426,7 @@ def test_sliding_stride_changes_nothing_attention_sees(model, stride):
         pos, parts = 0, []
         with torch.no_grad():
             for n in steps:
-                parts.append(model(ids[:, pos:pos + n], cache=cache).logits)
+                parts.append(model(ids[:, pos:pos + n], **cache_kwargs(model, cache)).logits)
                 pos += n
                 layer = cache.layers[0]
                 ahead = layer.packed_length - (layer.cumulative_length - layer.window_length)
@@ -400,13 +440,13 @@ def test_sliding_stride_changes_nothing_attention_sees(model, stride):
     cache = KVQCache(model.config, "octopus", bits=3, residual=6, stride=stride)
     with torch.no_grad():
         for t in range(30):
-            model(ids[:, t:t + 1], cache=cache)
+            model(ids[:, t:t + 1], **cache_kwargs(model, cache))
         layer = cache.layers[0]
         assert layer.window_length == 5 and layer.packed_length > 25  # tokens 25..29 exact, some also packed
         cache.crop(-4)
         assert (layer.cumulative_length, layer.window_length, layer.packed_length) == (26, 1, 26)
         assert layer.decoded_history()[0].shape[-2] == 26
-        out = model(ids[:, 26:30], cache=cache).logits
+        out = model(ids[:, 26:30], **cache_kwargs(model, cache)).logits
     assert out.shape[1] == 4 and cache.get_seq_length() == 30
 
 
@@ -434,7 +474,7 @@ def test_codes_mode_decodes_a_block_encoded_ahead_once(model, monkeypatch):
     held = []
     with torch.no_grad():
         for t in range(40):
-            model(ids[:, t:t + 1], cache=cache)
+            model(ids[:, t:t + 1], **cache_kwargs(model, cache))
             held.append(cache.memory_report()["decoded_bytes"])
     _attn(model, "sdpa")
     assert counts["commit"] >= 4 and 0 < counts["decode"] <= counts["commit"]
@@ -466,9 +506,9 @@ def test_sliding_decode_keeps_few_blocks(model):
     _attn(model, "sdpa")
     cache = KVQCache(model.config, "octopus", bits=2, residual=4)
     with torch.no_grad():
-        model(_ids(50), cache=cache)
+        model(_ids(50), **cache_kwargs(model, cache))
         for step in range(40):
-            model(_ids(1, seed=step), cache=cache)
+            model(_ids(1, seed=step), **cache_kwargs(model, cache))
     layer = cache.layers[0]
     assert (layer.packed_length, layer.window_length) == (87, 3)
     assert sum(layer.block_tokens) == 87 and len(layer.blocks) <= 1 + math.ceil(math.log2(40)) + 1
@@ -497,9 +537,9 @@ def test_codes_mode_without_kvq_attention_is_caught(model):
     cache = KVQCache(model.config, "oscar", bits=2, residual=8, attention="codes")
     _attn(model, "sdpa")  # switched after the cache was built: caught at the next step
     with torch.no_grad():
-        model(_ids(10), cache=cache)
+        model(_ids(10), **cache_kwargs(model, cache))
         with pytest.raises(KVQError, match="never consumed"):
-            model(_ids(1), cache=cache)
+            model(_ids(1), **cache_kwargs(model, cache))
 
 
 # -- evaluation helpers ---------------------------------------------------------------------------
@@ -513,11 +553,11 @@ def test_shared_prefill_equals_real_prefill(model, attn):
         cfg = parse_config(text)
         real, shared_cache, dyn = build_cache(cfg, model.config), build_cache(cfg, model.config), DynamicCache(config=model.config)
         with torch.no_grad():
-            model(ids[:, :40], cache=real)
-            model(ids[:, :40], cache=dyn)
+            model(ids[:, :40], **cache_kwargs(model, real))
+            model(ids[:, :40], **cache_kwargs(model, dyn))
             populate(shared_cache, dyn)
-            a = model(ids[:, 40:], cache=real).logits
-            b = model(ids[:, 40:], cache=shared_cache).logits
+            a = model(ids[:, 40:], **cache_kwargs(model, real)).logits
+            b = model(ids[:, 40:], **cache_kwargs(model, shared_cache)).logits
         if attn == "sdpa":
             assert torch.equal(a, b), text
         else:  # the real prefill attends with the kvq function, the shared one with sdpa: float rounding
@@ -542,7 +582,7 @@ def test_eval_config_parsing_and_chunks(model):
     assert window_starts(10_000, 1000, 4, 3, tuning=False) == [4, 6, 8]
     assert window_starts(10_000, 1000, 4, 3, tuning=True) == [0, 1, 2]
     with torch.no_grad():
-        model(_ids(40), cache=cache)
+        model(_ids(40), **cache_kwargs(model, cache))
     s = stored(cache, token_elements(model.config))
     assert s["elements"] == 2 * 40 * token_elements(model.config)
 
@@ -723,10 +763,10 @@ def test_block_flush_joins_token_group_blocks(model):
     _attn(model, "sdpa")
     cache = KVQCache(model.config, "oscar", bits=2, residual=32)
     with torch.no_grad():
-        model(_ids(70), cache=cache)  # 64 tokens packed by the prefill flush
+        model(_ids(70), **cache_kwargs(model, cache))  # 64 tokens packed by the prefill flush
         hist = cache.layers[0].decoded_history()[0].clone()
         for step in range(200):
-            model(_ids(1, seed=step), cache=cache)
+            model(_ids(1, seed=step), **cache_kwargs(model, cache))
     layer = cache.layers[0]
     assert (layer.packed_length, sum(layer.block_tokens)) == (256, 256)
     assert layer.block_tokens == sorted(layer.block_tokens, reverse=True)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_gguf import load_tiny_llama  # noqa: E402
 
 from kvq_core.api import Quantizer  # noqa: E402
-from kvq_core.integrations.hf import KVQCache, register  # noqa: E402
+from kvq_core.integrations.hf import KVQCache, cache_kwargs, register  # noqa: E402
 from kvq_core.integrations.hf import attention as kvq_attention  # noqa: E402
 
 from transformers import DynamicCache  # noqa: E402
@@ -64,9 +64,9 @@ class _Calls:
 def _steps(model, cache, ids, prompt):
     """Logits of a prefill of ``prompt`` tokens, then one decode step per remaining token."""
     with torch.no_grad():
-        out = [model(ids[:, :prompt], cache=cache).logits[:, -1:]]
+        out = [model(ids[:, :prompt], **cache_kwargs(model, cache)).logits[:, -1:]]
         for i in range(prompt, ids.shape[1]):
-            out.append(model(ids[:, i:i + 1], cache=cache).logits)
+            out.append(model(ids[:, i:i + 1], **cache_kwargs(model, cache)).logits)
     return torch.cat(out, dim=1)
 
 
@@ -97,11 +97,11 @@ def test_a_layer_checks_its_blocks_once_per_flush(model, monkeypatch):
     ids = _ids(60, seed=4)
     joins = 0
     with torch.no_grad():
-        model(ids[:, :36], cache=cache)
+        model(ids[:, :36], **cache_kwargs(model, cache))
         for i in range(36, ids.shape[1]):
             first = cache.layers[0]
             blocks, packed = len(first.blocks), first.packed_length
-            model(ids[:, i:i + 1], cache=cache)
+            model(ids[:, i:i + 1], **cache_kwargs(model, cache))
             joins += first.packed_length > packed and len(first.blocks) <= blocks  # flushed, and joined
             for layer in cache.layers:  # a plan never outlives a block it holds (a join frees the joined blocks)
                 plan = layer._plan
@@ -122,8 +122,8 @@ def test_a_chunk_over_packed_blocks_is_fused_and_causal(model, monkeypatch):
         cache = KVQCache(model.config, "oscar", "numba", residual=8, bits=2)
         calls = _Calls(monkeypatch)
         with torch.no_grad():
-            model(ids[:, :30], cache=cache)
-            logits[fused] = model(ids[:, 30:], cache=cache).logits
+            model(ids[:, :30], **cache_kwargs(model, cache))
+            logits[fused] = model(ids[:, 30:], **cache_kwargs(model, cache)).logits
         assert calls.n["attend_window"] == (model.config.num_hidden_layers if fused else 0)
     assert torch.allclose(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
@@ -133,7 +133,7 @@ def _largest_allocation(model, cache, ids):
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(ids, cache=cache)
+        model(ids, **cache_kwargs(model, cache))
     return max(e.self_cpu_memory_usage for e in prof.key_averages())
 
 

@@ -19,11 +19,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hf_version import skip_unless_cache_keyword  # noqa: E402
 from tiny_models import SLIDING_WINDOW, build, configs  # noqa: E402
 
 import kvq_core  # noqa: E402
 from kvq_core.errors import InputError  # noqa: E402
-from kvq_core.integrations.hf import KVQCache, KVQMemoryWarning  # noqa: E402
+from kvq_core.integrations.hf import KVQCache, KVQMemoryWarning, cache_kwargs  # noqa: E402
 
 from transformers import DynamicCache  # noqa: E402
 
@@ -68,7 +69,7 @@ def _batch(n=PROMPT, batch=2, pad=5, seed=0):
 def _gen(model, ids, mask, cache, **kw):
     kw.setdefault("max_new_tokens", NEW)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, do_sample=False, cache=cache, pad_token_id=0, **kw)
+        return model.generate(ids, attention_mask=mask, do_sample=False, **cache_kwargs(model, cache), pad_token_id=0, **kw)
 
 
 def _kinds(config):
@@ -204,9 +205,9 @@ def test_sliding_layers_codes_attention_equals_dequant(models, method):
         model = _model(models, "mistral", attn)
         cache = KVQCache(model.config, method, residual=4, attention=mode)
         with torch.no_grad():
-            steps = [model(ids[:, :24], cache=cache).logits[:, -1]]
+            steps = [model(ids[:, :24], **cache_kwargs(model, cache)).logits[:, -1]]
             for i in range(24, 30):
-                steps.append(model(ids[:, i:i + 1], cache=cache).logits[:, -1])
+                steps.append(model(ids[:, i:i + 1], **cache_kwargs(model, cache)).logits[:, -1])
         logits[attn] = torch.stack(steps)
         assert all(layer.cumulative_length > layer.sliding_window and layer.packed_bytes for layer in cache.kvq_layers)
     torch.testing.assert_close(logits["kvq"], logits["sdpa"], rtol=1e-4, atol=1e-4)
@@ -216,6 +217,7 @@ def test_readme_transformers_snippet_runs():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme.split("## transformers integration", 1)[1]
     snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    skip_unless_cache_keyword(snippet)
     scope: dict = {}
     exec(compile(snippet, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
     assert scope["cache"].memory_report()["packed_bytes"] > 0

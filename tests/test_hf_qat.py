@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import tiny_models  # noqa: E402
 import kvq_core  # noqa: E402
 from kvq_core.errors import InputError, KVQError  # noqa: E402
-from kvq_core.integrations.hf import qat  # noqa: E402
+from kvq_core.integrations.hf import cache_kwargs, qat  # noqa: E402
 from kvq_core.training import exact_start, fake_quant_attention, fake_quant_kv  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def _decode_through_cache(model: torch.nn.Module, ids: torch.Tensor, cache) -> t
     """Logits of feeding ``ids`` one token per step through ``cache`` (plain sdpa attention)."""
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
-        return torch.cat([model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits
+        return torch.cat([model(input_ids=ids[:, t:t + 1], **cache_kwargs(model, cache), use_cache=True).logits
                           for t in range(ids.shape[1])], dim=1)
 
 

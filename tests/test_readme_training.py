@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_version import skip_unless_cache_keyword  # noqa: E402
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +27,7 @@ def snippet() -> str:
 
 
 def test_training_snippet_runs_and_prints_what_it_says() -> None:
+    skip_unless_cache_keyword(snippet())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", snippet()], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

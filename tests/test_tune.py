@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tqdm")
 
 from kvq_core.errors import InputError, PlanError  # noqa: E402
+from kvq_core.integrations.hf import cache_kwargs  # noqa: E402
 from kvq_core.plan import PLAN_VERSION, cache_bits, load_plan, slot_bits, write_plan  # noqa: E402
 from kvq_core.tools.tune import KINDS, TableCache, allocate, tune  # noqa: E402
 
@@ -77,8 +78,8 @@ def test_from_plan_equals_the_explicit_cache(planned, model, ids) -> None:
     out = []
     with torch.no_grad():
         for c in (a, b):
-            model(ids[:, :40], cache=c, use_cache=True)
-            out.append(model(ids[:, 40:41], cache=c, use_cache=True).logits)
+            model(ids[:, :40], **cache_kwargs(model, c), use_cache=True)
+            out.append(model(ids[:, 40:41], **cache_kwargs(model, c), use_cache=True).logits)
     assert torch.equal(*out)
 
 
@@ -91,7 +92,7 @@ def test_plan_bits_are_what_the_cache_stores(planned, model, ids) -> None:
     plan, path, _ = planned
     cache = KVQCache.from_plan(model.config, path)
     with torch.no_grad():
-        model(ids[:, :CONTEXT], cache=cache, use_cache=True)
+        model(ids[:, :CONTEXT], **cache_kwargs(model, cache), use_cache=True)
     stored = steady_bits(cache, CacheConfig("plan", "plan"), CONTEXT, token_elements(model.config))
     assert plan["bits_per_element"] == pytest.approx(stored, rel=1e-9)
     assert cache_bits(plan["cache"], plan["model"], CONTEXT) == pytest.approx(stored, rel=1e-9)
@@ -215,7 +216,7 @@ def test_options_may_name_another_method_and_the_plan_holds_the_budget(model, id
             assert spec.method == ("octopus" if named else "turboquant")
             assert named or spec.norm_correction  # the base parameters reach the base method's slots only
     with torch.no_grad():
-        model(ids[:, :CONTEXT], cache=cache, use_cache=True)
+        model(ids[:, :CONTEXT], **cache_kwargs(model, cache), use_cache=True)
     stored = steady_bits(cache, CacheConfig("plan", "plan"), CONTEXT, token_elements(model.config))
     assert cache_bits(plan["cache"], plan["model"], CONTEXT) == pytest.approx(stored, rel=1e-9)
     assert plan["bits_per_element"] == pytest.approx(cache_bits(plan["cache"], plan["model"], CONTEXT, plan["extra_bytes"]))

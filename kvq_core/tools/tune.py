@@ -164,6 +164,7 @@ class Calibration:
 
     def __init__(self, model: Any, ids: Any, context: int, score: int, windows: int, backend: str = "auto",
                  progress: bool = False) -> None:
+        from kvq_core.integrations.hf.cache_arg import cache_kwargs
         import torch
         from tqdm.auto import tqdm
         from transformers import DynamicCache
@@ -187,7 +188,7 @@ class Calibration:
             w = ids[:, s:s + length]
             shared = DynamicCache(config=model.config)
             with torch.no_grad():
-                model(w[:, :self.prefix], cache=shared, use_cache=True)
+                model(w[:, :self.prefix], **cache_kwargs(model, shared), use_cache=True)
             _, ref = score_window(model, w, self.fp_cfg, self.prefix, score, backend=backend, shared=shared, chunk=None,
                                   keep_logprobs=True)
             self.windows.append((w, shared, ref))
@@ -222,6 +223,7 @@ class Calibration:
         """Per sampled continuation: the gradient of its summed log-probability with respect to every
         layer's exact prefix keys and values (``{"keys": [per layer], "values": [...]}``), the scored
         tokens run in one chunk over the exact prefix, each next token drawn from the fp model."""
+        from kvq_core.integrations.hf.cache_arg import cache_kwargs
         import torch
         from transformers import DynamicCache
 
@@ -237,7 +239,7 @@ class Calibration:
                 leaves.append((k, v))
                 cache.update(k, v, i)
             with torch.enable_grad():
-                logits = self.model(w[:, self.prefix:self.prefix + self.score], cache=cache, use_cache=True).logits
+                logits = self.model(w[:, self.prefix:self.prefix + self.score], **cache_kwargs(self.model, cache), use_cache=True).logits
                 logp = torch.log_softmax(logits[0].float(), dim=-1)
                 gen = torch.Generator().manual_seed(seed + 7919 * window)
                 out = []
@@ -383,7 +385,6 @@ def tune_plans(model: Any, ids: Any, *, budgets: Sequence[float], context: int =
     if fit_seeds and not any(has_seed(option_codec(method, base, o)[0]) for o in options):
         raise InputError(f"fit_seeds={fit_seeds}: no option's method ({method!r} or a named one) has a rotation seed to fit")
     ident = model_identity(model.config, model_name)
-    n = ident["layers"]
     flush = type(make_spec(method)).default_flush
     # the budget error comes before any work: the cheapest plan of these options (a fitted seed's
     # bytes are part of a quantized slot's cost)

@@ -7,11 +7,12 @@ Importing this module registers ``"kvq"`` and ``"kvq-qat"`` with transformers (i
 from __future__ import annotations
 
 from kvq_core.integrations.hf.attention import kvq_attention, merge_attention, register
+from kvq_core.integrations.hf.cache_arg import cache_kwargs
 from kvq_core.integrations.hf.cache import KVQCache, KVQLayer, KVQMemoryWarning, dynamic_cache_nbytes
 from kvq_core.integrations.hf import qat
 
 register()
 qat.register()
 
-__all__ = ["KVQCache", "KVQLayer", "KVQMemoryWarning", "dynamic_cache_nbytes", "kvq_attention", "merge_attention", "qat",
+__all__ = ["KVQCache", "KVQLayer", "KVQMemoryWarning", "cache_kwargs", "dynamic_cache_nbytes", "kvq_attention", "merge_attention", "qat",
            "register"]

@@ -93,6 +93,15 @@ def _resolve_params(params: Mapping[Any, Mapping[str, Any]] | None, n: int, what
     return out
 
 
+def _layer_types_and_kwargs(config: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """Each layer's type and its cache layer's keyword arguments, on any transformers 5.x: recent
+    releases return one dict per layer, earlier ones (5.17 among them) one dict for all layers."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    if isinstance(layer_kwargs, Mapping):
+        return list(layer_types), [dict(layer_kwargs) for _ in layer_types]
+    return list(layer_types), list(layer_kwargs)
+
+
 class KVQCache(Cache):
     """A transformers ``Cache`` storing K/V with a kvq method, built from a model config.
 
@@ -179,7 +188,7 @@ class KVQCache(Cache):
         if mla is None:
             _check_codes_attention(attention, text_config)
         head_dim, value_dim = mla if mla is not None else (_head_dim(text_config),) * 2
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layer_types, layer_kwargs = _layer_types_and_kwargs(text_config)
         n = len(layer_types)
         self.fp_layers = _resolve_layers(fp_layers, n, "fp_layers")
         self.fp_key_layers = _resolve_layers(fp_key_layers, n, "fp_key_layers")

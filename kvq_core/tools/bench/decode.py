@@ -195,13 +195,15 @@ def attn_impl(cfg: CacheConfig) -> str:
 
 def greedy_step(model: Any, tok: Any, cache: Any) -> Any:
     """One decode step: the next greedy token ``[batch, 1]``."""
-    return model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
+    return model(tok, **cache_kwargs(model, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
 
 
 def start(run: Run, model: Any, ids: Any) -> None:
     """Build the cache, prefill the prompt and take the untimed warm-up steps; marks the run
     unavailable (with the reason) when the cache cannot be built or, for transformers'
     QuantizedCache, cannot run here."""
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
     import torch
 
     cfg = run.cfg
@@ -211,7 +213,7 @@ def start(run: Run, model: Any, ids: Any) -> None:
         run.cache = build_cache(cfg, model.config, attention="codes" if cfg.kind in KVQ_KINDS else "auto")
         with torch.no_grad():
             t0 = time.perf_counter()
-            logits = model(ids, cache=run.cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(ids, **cache_kwargs(model, run.cache), use_cache=True, logits_to_keep=1).logits
             run.row["prefill_s"] = time.perf_counter() - t0
             run.tok = logits[:, -1].argmax(-1, keepdim=True)
             run.tokens.append(int(run.tok))

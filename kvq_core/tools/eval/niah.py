@@ -123,6 +123,7 @@ def answer_ok(text: str, answer: str) -> bool:
 def run_cell(model: Any, tok: Any, prefix: list[int], question: list[int], cfg: Any, shared: Any, backend: str,
              answer_tokens: int) -> tuple[str, float]:
     """Greedy answer of one configuration; returns (answer text, seconds)."""
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
     import torch
 
     cache = build_cache(cfg, model.config, backend)
@@ -131,13 +132,13 @@ def run_cell(model: Any, tok: Any, prefix: list[int], question: list[int], cfg: 
         if shared is not None:
             populate(cache, shared)
         else:
-            model(torch.tensor([prefix]), cache=cache, use_cache=True)
-        logits = model(torch.tensor([question]), cache=cache, use_cache=True).logits
+            model(torch.tensor([prefix]), **cache_kwargs(model, cache), use_cache=True)
+        logits = model(torch.tensor([question]), **cache_kwargs(model, cache), use_cache=True).logits
         out = [int(logits[0, -1].argmax())]
         for _ in range(answer_tokens - 1):
             if out[-1] == tok.eos_token_id:
                 break
-            logits = model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits
+            logits = model(torch.tensor([[out[-1]]]), **cache_kwargs(model, cache), use_cache=True).logits
             out.append(int(logits[0, -1].argmax()))
     return tok.decode(out, skip_special_tokens=True), time.perf_counter() - t0
 
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
     args = build_parser().parse_args(argv)
     import torch
     from tqdm.auto import tqdm
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{task} {context} d={depth}: prefill")
             shared = DynamicCache(config=model.config)
             with torch.no_grad():
-                model(torch.tensor([prefix]), cache=shared, use_cache=True)
+                model(torch.tensor([prefix]), **cache_kwargs(model, shared), use_cache=True)
         for c in todo:
             bar.set_postfix_str(f"{task} {context} d={depth}: {c.label}")
             reply, secs = run_cell(model, tok, prefix, question, c, shared, args.backend, args.answer_tokens)

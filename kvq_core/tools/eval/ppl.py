@@ -107,6 +107,7 @@ def score_window(model: Any, ids: Any, cfg: CacheConfig, prefix: int, score: int
     ``attention`` is the kvq caches' attention mode ("dequant" or "codes"); ``cache`` is a fresh
     cache built by the caller for ``cfg`` (``kvq tune``'s trial caches), else one is built here.
     """
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
     import torch
 
     if cache is None:
@@ -118,14 +119,14 @@ def score_window(model: Any, ids: Any, cfg: CacheConfig, prefix: int, score: int
         if shared is not None:
             populate(cache, shared)
         else:
-            model(ids[:, :prefix], cache=cache, use_cache=True)
+            model(ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True)
         prefill_s = time.perf_counter() - t0
         if decode_view and cfg.kind in KVQ_KINDS:
             cache.chunks = "decode"  # scoring chunks see what token-by-token decoding sees
         nll, kl, pos = 0.0, 0.0, prefix
         t1 = time.perf_counter()
         for size in chunk_plan(cfg, cache, prefix, score, chunk, decode_view):
-            logits = model(ids[:, pos:pos + size], cache=cache, use_cache=True).logits
+            logits = model(ids[:, pos:pos + size], **cache_kwargs(model, cache), use_cache=True).logits
             logp = torch.log_softmax(logits[0].float(), dim=-1)
             target = ids[0, pos + 1:pos + size + 1]
             nll -= logp.gather(1, target[:, None]).sum().item()
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm.auto import tqdm
 
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
     from kvq_core.tools.eval.model import load_model
     from kvq_core.tools.eval.text import load_text, text_part
 
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             shared = DynamicCache(config=model.config)
             with torch.no_grad():
-                model(ids[:, :args.prefix], cache=shared, use_cache=True)
+                model(ids[:, :args.prefix], **cache_kwargs(model, shared), use_cache=True)
             data.setdefault("prefill_seconds", {})[str(w)] = round(time.perf_counter() - t0, 2)
         reference = None
         if fp_cfg is not None:  # rerun on --resume when only later configurations are missing

@@ -76,11 +76,12 @@ def model():
 
 
 def _decode_logits(model, cache, ids, prefix: int):
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
     import torch
 
     with torch.no_grad():
-        model(ids[:, :prefix], cache=cache, use_cache=True)
-        return torch.cat([model(ids[:, t:t + 1], cache=cache, use_cache=True).logits
+        model(ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True)
+        return torch.cat([model(ids[:, t:t + 1], **cache_kwargs(model, cache), use_cache=True).logits
                           for t in range(prefix, ids.shape[1])], dim=1)
 
 
