@@ -22,13 +22,19 @@
    backend with a paged kernel of its own (and the torch fallback), batch 16 and 64 of mixed
    context lengths, pages of 16 and 32 tokens, against SDPA over the batch padded to its longest
    context (bf16, flash; a lower bound of a dense engine's cost, which would also mask).
+6. **Model decode**: a transformers Llama with random weights (no checkpoint reaches an offline GPU
+   machine) whose attention is shaped as Llama-3-8B's (8 KV heads x 128, GQA 4; 4 layers), bf16 on
+   CUDA: greedy decode steps through ``DynamicCache`` (sdpa) and through ``KVQCache`` on the Triton
+   backend (``attn_implementation="kvq"``: each layer's blocks and window in one fused call), 32k
+   prompt tokens at batch 1 and 16; step time, KV bytes held, and the first step's logits against
+   ``DynamicCache``'s (relative error, same argmax).
 
 Ends with one summary table of ratios (reference time / kvq time; numba vs Triton: Triton time /
 numba time; fused window: unfused time / fused time) and the list of what the budget skipped.
 
 Budget: ``--budget`` seconds (default 400) for this script, split between the sections
 (conformance stops at 40 % of it; the fused window step keeps 10 %, the paged step 25 % when it
-runs); an item that would overrun prints SKIPPED and is listed at the end. Exit status 1 when a
+runs; the model decode keeps 15 %); an item that would overrun prints SKIPPED and is listed at the end. Exit status 1 when a
 conformance check or a timed item fails (or the fused and unfused window answers disagree).
 The real run never uses Triton's interpreter (``TRITON_INTERPRET`` is removed before import).
 
@@ -62,6 +68,16 @@ PAGED_SPEC = ("oscar", {"bits": 2, "key_group": 16})
 #: the fused window step: (packed tokens, batch) shapes, and the exact window's tokens
 WINDOW_SHAPES = ((8192, 1), (8192, 16), (32768, 1))
 WINDOW_TOKENS = 64
+#: the model decode section: a Llama with random weights, attention shaped as Llama-3-8B's
+MODEL = {"num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "head_dim": 128, "intermediate_size": 2816, "vocab_size": 32000}
+MODEL_SHAPES = ((32768, 1), (32768, 16))  # prompt tokens, batch
+MODEL_CONFIGS = ("fp", "oscar:bits=2", "octopus:bits=3")  # DynamicCache first: the reference
+MODEL_BACKEND = "triton"
+MODEL_STEPS = 16
+#: the dry run's model: tiny, two layers, a 160-token prompt, 3 timed steps
+DRY_MODEL = ({"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "intermediate_size": 256, "vocab_size": 256}, ((160, 1),), 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,9 +533,10 @@ def _paged_impl(run: Any, backend: str, spec: Any) -> type | None:
         return None
 
 
-def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, errors: list[str]) -> list[Row]:
-    """``kvq::attend_paged`` decode steps (one query token per request) vs SDPA on the padded batch;
-    a failing item is printed and added to ``errors``."""
+def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, errors: list[str],
+          reserve: float) -> list[Row]:
+    """``kvq::attend_paged`` decode steps (one query token per request) vs SDPA on the padded batch,
+    while more than ``reserve`` seconds are left; a failing item is printed and added to ``errors``."""
     import numpy as np
     import torch
 
@@ -540,7 +557,7 @@ def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, err
     encoder = Quantizer(spec, "torch")
     for batch in plan.paged_batches:
         for page in plan.page_sizes:
-            if clock.left() < 15:
+            if clock.left() < reserve + 15:
                 clock.skip(f"paged batch={batch} page={page}")
                 continue
             rng = np.random.default_rng(batch * 100 + page)
@@ -553,7 +570,7 @@ def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, err
             sdpa = best(sdpa_gqa, sdpa_fold)
             del kpad, vpad
             for backend, label in timed:
-                if clock.left() < 10:
+                if clock.left() < reserve + 10:
                     clock.skip(f"paged {label} batch={batch} page={page}")
                     continue
                 try:
@@ -575,6 +592,82 @@ def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, err
             del case
             if plan.device == "cuda":
                 torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# 6. model decode (KVQCache in a transformers model on the GPU)
+# --------------------------------------------------------------------------------------------
+def model_decode(plan: Plan, clock: Clock, errors: list[str]) -> list[Row]:
+    """Greedy decode steps of a random-weight Llama through DynamicCache and KVQCache (Triton), per
+    prompt shape, while time is left; a failing cache is printed and added to ``errors``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvq_core.integrations.hf import register
+    from kvq_core.integrations.hf.cache_arg import cache_kwargs
+    from kvq_core.tools.bench.decode import attn_impl, greedy_step
+    from kvq_core.tools.eval.caches import build_cache, parse_config, stored
+
+    dims, shapes_, steps = DRY_MODEL if plan.device == "cpu" else (MODEL, MODEL_SHAPES, MODEL_STEPS)
+    register()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if plan.device == "cuda" else torch.float32
+    model = LlamaForCausalLM(LlamaConfig(**dims)).to(device=plan.device, dtype=dtype).eval()
+    kv, d = dims["num_key_value_heads"], dims["head_dim"]
+    rows: list[Row] = []
+    print(f"\n== 6. model decode: a random-weight Llama, {dims['num_hidden_layers']} layers, {kv} KV heads x {d}, "
+          f"GQA {dims['num_attention_heads'] // kv}, {dtype}; KVQCache on {MODEL_BACKEND}; median of {steps} greedy "
+          f"steps (milliseconds); logits of the first step against DynamicCache's")
+    print(f"{'cache':<16} {'batch':>5} {'tokens':>7} {'prefill_s':>9} {'step_ms':>9} {'vs_fp':>6} {'kv_MB':>9} "
+          f"{'kv/fp':>6} {'rel_err':>8} {'argmax':>7}")
+    for tokens, batch in shapes_:
+        ids = torch.randint(0, dims["vocab_size"], (batch, tokens), device=plan.device)
+        ref: dict[str, Any] = {}
+        for text in MODEL_CONFIGS:
+            if clock.left() < 10:
+                clock.skip(f"model {text} tokens={tokens} batch={batch}")
+                continue
+            cfg = parse_config(text)
+            cache = None
+            try:
+                model.set_attn_implementation(attn_impl(cfg))
+                cache = build_cache(cfg, model.config, backend=MODEL_BACKEND, attention="codes")
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    tok = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+                    _sync(plan.device)
+                    prefill = time.perf_counter() - t0
+                    first = model(tok, **cache_kwargs(model, cache), use_cache=True).logits[:, -1].float()
+                    tok = first.argmax(-1, keepdim=True)
+                    times = []
+                    for _ in range(steps + 1):  # the first: warm-up
+                        t0 = time.perf_counter()
+                        tok = greedy_step(model, tok, cache)
+                        _sync(plan.device)
+                        times.append(time.perf_counter() - t0)
+                step = statistics.median(times[1:])
+                nbytes = stored(cache, 2 * batch * kv * d)["bytes"]
+                if cfg.kind == "fp":
+                    ref = {"step": step, "bytes": nbytes, "logits": first}
+                    rel, same = 0.0, 1.0
+                else:
+                    rows.append(Row("model decode", MODEL_BACKEND, cfg.label, label(tokens, batch), step, ref["step"]))
+                    rel = ((first - ref["logits"]).norm() / ref["logits"].norm()).item()
+                    same = (first.argmax(-1) == ref["logits"].argmax(-1)).float().mean().item()
+                vs = ref["step"] / step if ref else float("nan")
+                ratio_b = nbytes / ref["bytes"] if ref else float("nan")
+                print(f"{cfg.label:<16} {batch:>5} {tokens:>7} {prefill:9.2f} {step * 1e3:9.3f} {vs:6.2f} "
+                      f"{nbytes / 1e6:9.1f} {ratio_b:6.3f} {rel:8.2e} {same:7.2f}", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"model {cfg.label} batch={batch} tokens={tokens}: {type(exc).__name__}")
+                print(f"FAIL model {cfg.label} batch={batch} tokens={tokens}: {type(exc).__name__}: {str(exc)[:300]}",
+                      flush=True)
+                traceback.print_exc(limit=4)
+            del cache
+            if plan.device == "cuda":
+                torch.cuda.empty_cache()
+        del ids
     return rows
 
 
@@ -622,13 +715,16 @@ def main(argv: list[str] | None = None) -> int:
     print("paged decode step:", "kvq::attend_paged found" if op is not None else
           "skipped (no torch.ops.kvq.attend_paged in this checkout)")
     failures = conformance(plan, backends, clock)
-    reserve = 0.25 * clock.budget if op is not None else 0.0
+    model_reserve = 0.15 * clock.budget if MODEL_BACKEND in backends else 0.0
+    reserve = model_reserve + (0.25 * clock.budget if op is not None else 0.0)
     errors: list[str] = []
     rows = benchmarks(plan, backends, clock, reserve + 0.1 * clock.budget, errors)
     rows += numba_vs_triton(rows)
     rows += window_step(plan, backends, clock, reserve, errors)
     if op is not None:
-        rows += paged(plan, backends, clock, op, errors)
+        rows += paged(plan, backends, clock, op, errors, model_reserve)
+    if model_reserve:
+        rows += model_decode(plan, clock, errors)
 
     method, tokens, batch, want = GOAL
     if args.dry_run:

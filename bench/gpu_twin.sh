@@ -14,21 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The GPU machine's stack, in ONE place (the device tool's KINDS.md, as seen there 2026-11).
-# numba-cuda's cu13 extra brings libNVVM (nvidia-nvvm) for the PTX gate; the GPU machine has it
-# from its CUDA 13 toolkit instead.
+# The GPU machine's stack, in ONE place: bench/gpu_stack.txt (one pin per line, # comments)
 PYTHON_VERSION=3.12
-PINS=(
-  torch==2.11.0
-  triton==3.6.0
-  numpy==2.5.2
-  numba==0.68.1
-  "numba-cuda[cu13]==0.30.4"
-  transformers==5.17.0
-  onnx==1.23.1
-  onnxruntime==1.30.0
-  pluggy pytest hypothesis setuptools
-)
+mapfile -t PINS < <(sed -e 's/#.*//' -e 's/[[:space:]]*$//' bench/gpu_stack.txt | grep -v '^$')
 
 twin_dir="${KVQ_TWIN_DIR:-$HOME/.cache/kvq-gpu-twin}"
 key=$(printf '%s\n' "$PYTHON_VERSION" "${PINS[@]}" | sha1sum | cut -c1-12)
