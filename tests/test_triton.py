@@ -68,3 +68,6 @@ def test_gpu_check_dry_run() -> None:
     for method in ("kivi", "octopus", "oscar", "turboquant"):
         assert f"triton {method:<16} ok" in out, out[-3000:]
     assert "GOAL oscar INT2 attend" in out, out[-3000:]
+    model = out.split("== 6. model decode", 1)[-1].split("== summary", 1)[0]
+    for cache in ("fp ", "oscar-2 ", "octopus-3 "):  # KVQCache in a transformers model, beside DynamicCache
+        assert any(line.startswith(cache) for line in model.splitlines()), out[-3000:]
