@@ -286,6 +286,21 @@ def graph_time(fn: Callable[[], Any], reps: int, device: str) -> float | None:
         return None
 
 
+def failed(errors: list[str], what: str, exc: BaseException) -> None:
+    """A timed item that raised: printed with its traceback's last frames and added to ``errors``."""
+    errors.append(f"{what}: {type(exc).__name__}")
+    print(f"FAIL {what}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    traceback.print_exc(limit=4)
+
+
+def release(plan: Plan) -> None:
+    """Hands the freed GPU memory of the last shape back (the next shape may be larger)."""
+    import torch
+
+    if plan.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def best(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return min(known) if known else None
@@ -401,14 +416,10 @@ def benchmarks(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserve
                           f"{_us(graph)} {_us(eager)} {_us(sdpa_gqa)} {_us(sdpa_fold)} {ratio:8.2f}", flush=True)
                     del pk, pv
                 except Exception as exc:  # noqa: BLE001
-                    errors.append(f"bench {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}")
-                    print(f"FAIL bench {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}: "
-                          f"{str(exc)[:300]}", flush=True)
-                    traceback.print_exc(limit=3)
+                    failed(errors, f"bench {backend}/{method} batch={batch} tokens={tokens}", exc)
             del qb, kb, vb
         del q, k, v
-        if plan.device == "cuda":
-            torch.cuda.empty_cache()
+        release(plan)
     return rows
 
 
@@ -434,7 +445,6 @@ def window_step(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserv
     """The fused ``attend_window`` of a backend's kernel class (the ``kvq::attend_window`` op's body) vs
     the unfused reference body, while more than ``reserve`` seconds are left, for backends whose
     kernel class fuses it; a failing or disagreeing item is printed and added to ``errors``."""
-    import torch
 
     from kvq_core import registry
     from kvq_core.api import Quantizer
@@ -490,13 +500,9 @@ def window_step(plan: Plan, backends: dict[str, list[str]], clock: Clock, reserv
                         errors.append(f"window {backend}/{method} batch={batch} tokens={tokens}: max diff {diff:.3g}")
                     del blocks, parts
                 except Exception as exc:  # noqa: BLE001
-                    errors.append(f"window {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}")
-                    print(f"FAIL window {backend}/{method} batch={batch} tokens={tokens}: {type(exc).__name__}: "
-                          f"{str(exc)[:300]}", flush=True)
-                    traceback.print_exc(limit=3)
+                    failed(errors, f"window {backend}/{method} batch={batch} tokens={tokens}", exc)
         del q, k, v
-        if plan.device == "cuda":
-            torch.cuda.empty_cache()
+        release(plan)
     return rows
 
 
@@ -538,7 +544,6 @@ def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, err
     """``kvq::attend_paged`` decode steps (one query token per request) vs SDPA on the padded batch,
     while more than ``reserve`` seconds are left; a failing item is printed and added to ``errors``."""
     import numpy as np
-    import torch
 
     from kvq_core import registry
     from kvq_core.api import Quantizer
@@ -585,13 +590,9 @@ def paged(plan: Plan, backends: dict[str, list[str]], clock: Clock, op: Any, err
                     print(f"{label:>18} {batch:>5} {page:>4} {sum(lens):>8} {max(lens):>7} {_us(t)} {_us(sdpa)} "
                           f"{ratio:8.2f}", flush=True)
                 except Exception as exc:  # noqa: BLE001
-                    errors.append(f"paged {label} batch={batch} page={page}: {type(exc).__name__}")
-                    print(f"FAIL paged {label} batch={batch} page={page}: {type(exc).__name__}: {str(exc)[:300]}",
-                          flush=True)
-                    traceback.print_exc(limit=3)
+                    failed(errors, f"paged {label} batch={batch} page={page}", exc)
             del case
-            if plan.device == "cuda":
-                torch.cuda.empty_cache()
+            release(plan)
     return rows
 
 
@@ -660,13 +661,9 @@ def model_decode(plan: Plan, clock: Clock, errors: list[str]) -> list[Row]:
                 print(f"{cfg.label:<16} {batch:>5} {tokens:>7} {prefill:9.2f} {step * 1e3:9.3f} {vs:6.2f} "
                       f"{nbytes / 1e6:9.1f} {ratio_b:6.3f} {rel:8.2e} {same:7.2f}", flush=True)
             except Exception as exc:  # noqa: BLE001
-                errors.append(f"model {cfg.label} batch={batch} tokens={tokens}: {type(exc).__name__}")
-                print(f"FAIL model {cfg.label} batch={batch} tokens={tokens}: {type(exc).__name__}: {str(exc)[:300]}",
-                      flush=True)
-                traceback.print_exc(limit=4)
+                failed(errors, f"model {cfg.label} batch={batch} tokens={tokens}", exc)
             del cache
-            if plan.device == "cuda":
-                torch.cuda.empty_cache()
+            release(plan)
         del ids
     return rows
 
