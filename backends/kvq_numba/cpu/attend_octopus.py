@@ -1,7 +1,7 @@
 """Fused Numba CPU decode attention over OCTOPUS triplet codes.
 
 Per (batch, KV head, tile of four query rows): each block of :data:`BLOCK` key rows is decoded
-to rotated unit vectors (:func:`kvq_numba.cpu.octopus.decode_rows`: one table move per triplet)
+to rotated unit vectors (:func:`kvq_numba.cpu.octopus.decode_rows_at`: one table move per triplet)
 and scored by the register tiles of :mod:`kvq_numba.cpu.tiles` (``logit = gamma_t <q, v_hat_t> *
 scale``); online softmax; the value rows (``gamma * v_hat`` in the rotated domain, or float16
 rows in the original domain) are decoded the same way and weighted in registers. Rows past the
@@ -17,7 +17,7 @@ from numba import njit, prange
 from kvq_numba.cpu import paged
 from kvq_numba.cpu.attend import online_softmax
 from kvq_numba.cpu.common import fwht_block, half_to_float
-from kvq_numba.cpu.octopus import decode_rows_at
+from kvq_numba.cpu.octopus import SPILL, decode_rows_at
 from kvq_numba.cpu.paged import (CODES, DESC, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH, half_at,
                                  mask_block, start_job, store_partial, token_rows)
 from kvq_numba.cpu.simd import prefetch_bytes
@@ -68,8 +68,8 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
         l = np.empty(ROWS, np.float32)
         acc = np.empty(ROWS * d, np.float32)
         no_vbias = np.zeros((ROWS, 0), np.float32)
-        kbuf = np.empty((BLOCK, d), np.float32)
-        vbuf = np.empty((BLOCK, d), np.float32)
+        kflat = np.empty(BLOCK * d + SPILL, np.float32)  # decoded rows, flat
+        vflat = np.empty(BLOCK * d + SPILL, np.float32)
         p = np.zeros((ROWS, BLOCK), np.float32)
         pw = np.empty(ROWS * BLOCK, np.float32)
         tok = np.empty(BLOCK, np.float32)
@@ -79,8 +79,6 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
         va = np.empty(BLOCK, np.int64)
         na = np.empty(BLOCK, np.int64)
         nb4 = np.empty(4, np.uint8)
-        kflat = kbuf.reshape(BLOCK * d)
-        vflat = vbuf.reshape(BLOCK * d)
         for job in range(ch, jobs.shape[0], nch):
             if jobs[job, J_KIND] != CODES:
                 continue
@@ -97,7 +95,7 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                 _floats(kn, na, n, nb4, tok)
                 for i in range(n):
                     tok[i] *= scale
-                decode_rows_at(kc, ka, n, krb, bits, code_table, kbuf)
+                decode_rows_at(kc, ka, n, krb, bits, code_table, kflat, d)
                 logits(qf, kflat, d, n, tok, p, nr)
                 mask_block(p, n, t0, lim)
                 online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
@@ -116,7 +114,7 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                         prefetch_bytes(vc, va[n - 1] + vrb, n * vrb)
                         prefetch_bytes(vn, na[n - 1] + 4, n * 4)
                     _floats(vn, na, n, nb4, vgam)
-                    decode_rows_at(vc, va, n, vrb, bits, code_table, vbuf)
+                    decode_rows_at(vc, va, n, vrb, bits, code_table, vflat, d)
                 for r in range(ROWS):
                     for i in range(n):
                         pw[r * BLOCK + i] = p[r, i] * vgam[i]

@@ -13,7 +13,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu.common import CHUNK, fwht_block, fwht_heads, pack_row, sum_squares
+from kvq_numba.cpu.common import fwht_block, fwht_heads, pack_row, sum_squares
 from kvq_numba.cpu.simd import load_u64, move4
 from kvq_numba.rules import NEIGHBOURS, row_bytes, sgn
 
@@ -196,62 +196,57 @@ def _code_word(buf, a, nbytes, bits, j) -> np.int64:
     return np.int64((load_u64(buf, a + k) >> np.uint64(p - 8 * k)) & np.uint64((1 << bits) - 1))
 
 
+#: floats a decoded row may write past its end: every triplet is one 16-byte move, so a row's last move
+#: reaches up to three floats into the next row (which its own first move overwrites); a buffer of decoded
+#: rows holds this many floats after its last row
+SPILL = 3
+
+
 @njit(inline="always", cache=True)
-def _decode_row(buf, a, nbytes, bits, table, o) -> None:
-    """``o`` [d] = the rotated unit vector of the ``nbytes``-byte code row at byte ``a`` of ``buf``
-    (:func:`decode_rows`)."""
-    d = o.shape[0]
+def _decode_row(buf, a, nbytes, bits, table, o, base, d) -> None:
+    """``o[base:base + d]`` = the rotated unit vector (rho * direction per triplet, gamma not applied) of the
+    ``nbytes``-byte code row at byte ``a`` of ``buf``; ``table`` float32 [2**bits * 4] holds each code's rho *
+    direction and a zero (:func:`code_table`).
+
+    A triplet is one 16-byte move of its table entry, the last one too: it writes up to :data:`SPILL` floats
+    past the row. Codes come from 8-byte loads (:func:`kvq_numba.cpu.simd.load_u64`): 10-bit codes (OCTOPUS
+    b=3) four from every five bytes with constant shifts, others one load each (:func:`_code_word`); rows
+    under 8 bytes byte by byte (:func:`_code_at`), writing the row only. Against assembling each word from
+    single bytes the 2k-token decode attention kernel went from 520 to 397 us (b=3, d=64, one AVX-512
+    thread); against copying the row's last two triplets float by float (to stay inside the row), decoding
+    2k x 3 rows went from ~102 to ~58 us.
+    """
     ntrip = (d + 2) // 3
-    full = d // 3
     if nbytes < 8:  # rows shorter than one 8-byte load (head_dim < 19 at b=3): byte by byte
         row = buf[a:a + nbytes]
         for j in range(ntrip):
             e = 4 * np.int64(_code_at(row, j, bits, nbytes))
             for k in range(min(3, d - 3 * j)):
-                o[3 * j + k] = table[e + k]
+                o[base + 3 * j + k] = table[e + k]
         return
     m10 = np.uint64(1023)
     j = 0
     if bits == 10:  # four codes in every five bytes: one load, constant shifts
-        groups = min((full - 1) // 4, (nbytes - 8) // 5 + 1)
+        groups = min(ntrip // 4, (nbytes - 8) // 5 + 1)
         for g in range(groups):
             w = load_u64(buf, a + 5 * g)
-            move4(o, 12 * g, table, 4 * np.int64(w & m10))
-            move4(o, 12 * g + 3, table, 4 * np.int64((w >> np.uint64(10)) & m10))
-            move4(o, 12 * g + 6, table, 4 * np.int64((w >> np.uint64(20)) & m10))
-            move4(o, 12 * g + 9, table, 4 * np.int64((w >> np.uint64(30)) & m10))
+            p = base + 12 * g
+            move4(o, p, table, 4 * np.int64(w & m10))
+            move4(o, p + 3, table, 4 * np.int64((w >> np.uint64(10)) & m10))
+            move4(o, p + 6, table, 4 * np.int64((w >> np.uint64(20)) & m10))
+            move4(o, p + 9, table, 4 * np.int64((w >> np.uint64(30)) & m10))
         j = 4 * groups
-    for j in range(j, full - 1):
-        move4(o, 3 * j, table, 4 * _code_word(buf, a, nbytes, bits, j))
-    for j in range(max(full - 1, 0), ntrip):
-        e = 4 * _code_word(buf, a, nbytes, bits, j)
-        for k in range(min(3, d - 3 * j)):
-            o[3 * j + k] = table[e + k]
+    for j in range(j, ntrip):
+        move4(o, base + 3 * j, table, 4 * _code_word(buf, a, nbytes, bits, j))
 
 
 @njit(inline="always", cache=True)
-def decode_rows(codes2d, t0, n, bits, table, out) -> None:
-    """Rows ``out[0 .. n]`` [.., d] = the rotated unit vectors (rho * direction per triplet, gamma
-    not applied) of code rows ``t0 .. t0+n``; ``table`` float32 [2**bits * 4] holds each code's
-    rho * direction and a zero (:func:`code_table`).
-
-    A triplet is one 16-byte move of its table entry (the next triplet overwrites the fourth
-    float; the last full triplet and the padded one copy only what fits). Codes come from 8-byte
-    loads (:func:`kvq_numba.cpu.simd.load_u64`): 10-bit codes (OCTOPUS b=3) four from every five
-    bytes with constant shifts, others one load each (:func:`_code_word`); rows under 8 bytes byte
-    by byte (:func:`_code_at`). Against assembling each word from single bytes (and slicing each row),
-    the 2k-token decode attention kernel went from 520 to 397 us (b=3, d=64, one AVX-512 thread).
-    """
-    nbytes = codes2d.shape[1]
+def decode_rows_at(buf, addr, n, nbytes, bits, table, out, d) -> None:
+    """Rows ``i < n`` of the flat float32 ``out`` (``n * d`` floats and :data:`SPILL` more) = the rotated unit
+    vectors of the ``nbytes``-byte code rows at bytes ``addr[i]`` of ``buf`` (:func:`_decode_row`), in order
+    (each row's first move overwrites what the row before spilled)."""
     for i in range(n):
-        _decode_row(codes2d[t0 + i], 0, nbytes, bits, table, out[i])
-
-
-@njit(inline="always", cache=True)
-def decode_rows_at(buf, addr, n, nbytes, bits, table, out) -> None:
-    """:func:`decode_rows` of the ``nbytes``-byte code rows at bytes ``addr[0 .. n]`` of ``buf`` (pages)."""
-    for i in range(n):
-        _decode_row(buf, addr[i], nbytes, bits, table, out[i])
+        _decode_row(buf, addr[i], nbytes, bits, table, out, i * d, d)
 
 
 def code_table(bits: int, eta_bits: int, rho_bits: int, n_eta: int, rho_cb: np.ndarray, dirs: np.ndarray) -> np.ndarray:
@@ -276,14 +271,16 @@ def decode(codes, gamma, signs, inv_sqrt_d, bits, table, d):
 
 @njit(parallel=True, cache=True)
 def _unit_rows(codes, bits, table, d):
-    """The rotated unit vectors ``v_hat`` float32 [b, h, t, d] of code rows (:func:`decode_rows`)."""
-    nb, nh, nt = codes.shape[:3]
+    """The rotated unit vectors ``v_hat`` float32 [b, h, t, d] of code rows (:func:`_decode_row`, each into
+    a scratch row with room for its spill, then copied)."""
+    nb, nh, nt, nbytes = codes.shape
     out = np.empty((nb, nh, nt, d), np.float32)
     for bh in prange(nb * nh):
         b, h = bh // nh, bh % nh
-        for t0 in range(0, nt, CHUNK):
-            n = min(CHUNK, nt - t0)
-            decode_rows(codes[b, h], t0, n, bits, table, out[b, h, t0:t0 + n])
+        row = np.empty(d + SPILL, np.float32)
+        for t in range(nt):
+            _decode_row(codes[b, h, t], 0, nbytes, bits, table, row, 0, d)
+            out[b, h, t] = row[:d]
     return out
 
 
