@@ -328,7 +328,6 @@ def _inputs(plan: Plan, batch: int, tokens: int, seed: int = 0):
 def sdpa_times(q, k, v, plan: Plan) -> tuple[float | None, float | None]:
     """(GQA call, folded call) seconds of flash SDPA over bf16 K/V; folded = the GQA query heads of
     a KV head as query rows (no K/V expansion). None where the kernel refuses the shapes."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 def write(args: argparse.Namespace, gib: float, cpu: str, generous: list[dict], budgeted: list[dict],
           quiet: bool = False) -> None:
     nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-    lines = [f"# vLLM serving: stock vs kvq codecs (SmolLM2-135M fp32, CPU)", "",
+    lines = ["# vLLM serving: stock vs kvq codecs (SmolLM2-135M fp32, CPU)", "",
              f"CPU capability {cpu}, torch {torch.__version__}, {nproc} cores; fp32, enforce_eager, block_size "
              f"{BLOCK}; each engine in its own process, one after another; load average after each run in the tables."]
     if generous:

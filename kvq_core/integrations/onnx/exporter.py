@@ -10,7 +10,6 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 import onnx
 import torch
