@@ -122,3 +122,14 @@ def test_octopus_short_code_rows_conform_on_numba(head_dim: int) -> None:
     report = testing.check_method("numba", "octopus", max_examples=12, head_dims=(head_dim,),
                                   spec_params={"bits": (2, 3, 4), "values": ("octopus", "fp16")})
     assert report.examples > 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_octopus_grouped_code_loads_conform_on_numba(head_dim: int) -> None:
+    """Numba decodes the default triplet splits in groups from one 8-byte load each (b=3: four 10-bit codes per
+    five bytes; b=2: eight 7-bit codes per seven), every triplet one 16-byte move spilling past the row's end:
+    the suite's draw at the model head dims with those splits pinned, so both grouped paths always run."""
+    report = testing.check_method("numba", "octopus", max_examples=8, head_dims=(head_dim,),
+                                  spec_params={"bits": (2, 3), "xi_bits": (None,), "eta_bits": (None,),
+                                               "rho_bits": (None,), "values": ("octopus",)})
+    assert report.examples > 0

@@ -210,7 +210,8 @@ def _decode_row(buf, a, nbytes, bits, table, o, base, d) -> None:
 
     A triplet is one 16-byte move of its table entry, the last one too: it writes up to :data:`SPILL` floats
     past the row. Codes come from 8-byte loads (:func:`kvq_numba.cpu.simd.load_u64`): 10-bit codes (OCTOPUS
-    b=3) four from every five bytes with constant shifts, others one load each (:func:`_code_word`); rows
+    b=3) four from every five bytes and 7-bit codes (b=2) eight from every seven, with constant shifts,
+    others one load each (:func:`_code_word`); rows
     under 8 bytes byte by byte (:func:`_code_at`), writing the row only. Against assembling each word from
     single bytes the 2k-token decode attention kernel went from 520 to 397 us (b=3, d=64, one AVX-512
     thread); against copying the row's last two triplets float by float (to stay inside the row), decoding
@@ -224,9 +225,9 @@ def _decode_row(buf, a, nbytes, bits, table, o, base, d) -> None:
             for k in range(min(3, d - 3 * j)):
                 o[base + 3 * j + k] = table[e + k]
         return
-    m10 = np.uint64(1023)
     j = 0
-    if bits == 10:  # four codes in every five bytes: one load, constant shifts
+    if bits == 10:  # OCTOPUS b=3: four codes in every five bytes
+        m10 = np.uint64(1023)
         groups = min(ntrip // 4, (nbytes - 8) // 5 + 1)
         for g in range(groups):
             w = load_u64(buf, a + 5 * g)
@@ -236,6 +237,21 @@ def _decode_row(buf, a, nbytes, bits, table, o, base, d) -> None:
             move4(o, p + 6, table, 4 * np.int64((w >> np.uint64(20)) & m10))
             move4(o, p + 9, table, 4 * np.int64((w >> np.uint64(30)) & m10))
         j = 4 * groups
+    elif bits == 7:  # OCTOPUS b=2: eight codes in every seven bytes
+        m7 = np.uint64(127)
+        groups = min(ntrip // 8, (nbytes - 8) // 7 + 1)
+        for g in range(groups):
+            w = load_u64(buf, a + 7 * g)
+            p = base + 24 * g
+            move4(o, p, table, 4 * np.int64(w & m7))
+            move4(o, p + 3, table, 4 * np.int64((w >> np.uint64(7)) & m7))
+            move4(o, p + 6, table, 4 * np.int64((w >> np.uint64(14)) & m7))
+            move4(o, p + 9, table, 4 * np.int64((w >> np.uint64(21)) & m7))
+            move4(o, p + 12, table, 4 * np.int64((w >> np.uint64(28)) & m7))
+            move4(o, p + 15, table, 4 * np.int64((w >> np.uint64(35)) & m7))
+            move4(o, p + 18, table, 4 * np.int64((w >> np.uint64(42)) & m7))
+            move4(o, p + 21, table, 4 * np.int64((w >> np.uint64(49)) & m7))
+        j = 8 * groups
     for j in range(j, ntrip):
         move4(o, base + 3 * j, table, 4 * _code_word(buf, a, nbytes, bits, j))
 
