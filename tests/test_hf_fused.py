@@ -73,18 +73,34 @@ def _steps(model, cache, ids, prompt):
 @pytest.mark.parametrize("method,params", FUSED)
 @pytest.mark.parametrize("backend", ["numba", "torch"])
 def test_one_kernel_call_per_layer_and_step_equal_to_the_merge_path(model, monkeypatch, backend, method, params):
+    """Every layer of every decode step makes one fused call, and the per-block attend + merge path gives
+    the same attention output on the same cache state (both computed at each layer; comparing two whole
+    runs instead lets a 1e-5 difference flip a code in a later flush, which moved logits by 6e-3 on an
+    AVX-512 Xeon)."""
     ids = _ids(60, seed=3)
     layers = model.config.num_hidden_layers
     cache = KVQCache(model.config, method, backend, residual=8, **params)
     calls = _Calls(monkeypatch)
-    fused = _steps(model, cache, ids, 36)
+    real = kvq_attention.attend_codes
+    diffs, merge_calls = [], []
+
+    def both(query, key, value, ctx, mask, scale):
+        fused = real(query, key, value, ctx, mask, scale)
+        before = dict(calls.n)
+        with monkeypatch.context() as m:
+            m.setattr(Quantizer, "fuses_window", lambda self, q: False)  # the per-block attend + merge path
+            merged = real(query, key, value, ctx, mask, scale)
+        merge_calls.append(calls.n["attend"] - before["attend"])
+        calls.n.update(before)  # count the fused path's calls only
+        diffs.append(float((fused - merged).abs().max() / merged.abs().max()))
+        return fused
+    monkeypatch.setattr(kvq_attention, "attend_codes", both)
+    _steps(model, cache, ids, 36)
     steps = ids.shape[1] - 36
     assert len(cache.layers[0].blocks) >= 2  # several blocks (the window flushes every 8 tokens)
     assert calls.n == {"attend": 0, "attend_window": layers * steps}
-    monkeypatch.setattr(Quantizer, "fuses_window", lambda self, q: False)  # the per-block attend + merge path
-    merged = _steps(model, KVQCache(model.config, method, backend, residual=8, **params), ids, 36)
-    assert calls.n["attend"] >= layers * steps
-    assert torch.allclose(fused, merged, atol=1e-4, rtol=1e-4), float((fused - merged).abs().max())
+    assert len(diffs) == layers * steps and min(merge_calls) >= 1
+    assert max(diffs) < 2e-5, max(diffs)
 
 
 def test_a_layer_checks_its_blocks_once_per_flush(model, monkeypatch):
