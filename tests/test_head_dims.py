@@ -126,10 +126,32 @@ def test_octopus_short_code_rows_conform_on_numba(head_dim: int) -> None:
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_octopus_grouped_code_loads_conform_on_numba(head_dim: int) -> None:
-    """Numba decodes the default triplet splits in groups from one 8-byte load each (b=3: four 10-bit codes per
-    five bytes; b=2: eight 7-bit codes per seven), every triplet one 16-byte move spilling past the row's end:
-    the suite's draw at the model head dims with those splits pinned, so both grouped paths always run."""
+    """Numba decodes the default triplet splits in groups with constant shifts (b=3: four 10-bit codes per five
+    bytes, one load; b=2: eight 7-bit codes per seven; b=4: eight 13-bit codes per 13 bytes, two loads), every
+    triplet one 16-byte move spilling past the row's end: the suite's draw at the model head dims with those
+    splits pinned, so every grouped path runs."""
     report = testing.check_method("numba", "octopus", max_examples=8, head_dims=(head_dim,),
-                                  spec_params={"bits": (2, 3), "xi_bits": (None,), "eta_bits": (None,),
+                                  spec_params={"bits": (2, 3, 4), "xi_bits": (None,), "eta_bits": (None,),
                                                "rho_bits": (None,), "values": ("octopus",)})
     assert report.examples > 0
+
+
+def test_turboquant_grouped_code_loads_conform_on_numba() -> None:
+    """TurboQuant's three coordinate codes per triplet (6, 9 and 12 bits at b=2/3/4) take the same grouped
+    loads as OCTOPUS's triplets: the suite's draw at head_dim 64 with every width."""
+    report = testing.check_method("numba", "turboquant", max_examples=6, head_dims=(64,),
+                                  spec_params={"bits": (2, 3, 4)})
+    assert report.examples > 0
+
+
+def test_group_plans_place_every_code() -> None:
+    """Each grouped width's plan reads code ``k`` of a group from bit ``k * bits`` of the group, inside one of
+    at most two 8-byte loads, over whole bytes."""
+    from kvq_numba.cpu.octopus import GROUPED_WIDTHS, group_plan
+
+    for bits in GROUPED_WIDTHS:
+        n, nb, loads, sel, shifts = group_plan(bits)
+        assert n * bits == 8 * nb and 1 <= n <= 8 and len(sel) == len(shifts) == n
+        for k in range(n):
+            assert 8 * loads[sel[k]] + shifts[k] == k * bits and 0 <= shifts[k] and shifts[k] + bits <= 64
+    assert group_plan(10)[:3] == (4, 5, (0, 0)) and group_plan(9)[:3] == (8, 9, (0, 7))
