@@ -105,6 +105,22 @@ def test_numba_one_call_equals_its_plan_path(monkeypatch, method, params, length
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["8-lane", "16-lane"])
+@pytest.mark.parametrize("method,params,lengths", [("oscar", {"bits": 2}, (160, 64)),
+                                                    ("oscar", {"bits": 4, "token_scaling": False}, (160, 64, 33)),
+                                                    ("kivi", {"bits": 2}, (33,))], ids=["oscar-2blocks", "oscar4-3blocks", "kivi-33"])
+def test_numba_int_code_logits_at_both_widths(monkeypatch, wide, method, params, lengths):
+    """numba's int-code logits in 8- and 16-lane vectors (an AVX-512 host takes 16 where a key code row is whole
+    16-byte chunks, :data:`kvq_numba.cpu.attend_planes.WIDE`; passed to the kernel as an argument, so both run on
+    any host): each equals the reference, in the one call and the plan path, a 1-token key group included."""
+    pytest.importorskip("numba")
+    from kvq_numba.cpu import attend_planes
+
+    monkeypatch.setattr(attend_planes, "WIDE", wide)
+    for q_len in (1, 5):
+        _check_against_reference("numba", method, params, q_len, lengths)
+
+
 def _check_against_reference(backend, method, params, q_len, lengths):
     pytest.importorskip(backend)
     rng = np.random.default_rng(q_len)

@@ -207,7 +207,8 @@ class IntCodesNumba(DeviceRouted):
             return cpu_attend_planes.planes_window(
                 as_float32(q), as_float32(window_k), as_float32(window_v), self.rotation, self.inv_sqrt_d,
                 (prepared[0][0], prepared[1][0]), (prepared[0][1], prepared[1][1]), tokens,
-                self.token_scaling, self.bits, self.key_group, self.value_group, np.float32(scale), split, chunks)
+                self.token_scaling, self.bits, self.key_group, self.value_group, np.float32(scale), split, chunks,
+                cpu_attend_planes.WIDE)
         to_keys, back = self.domains(None)
         qo = cpu_window.grouped_queries(as_float32(q), hk)
         qc = to_keys(qo[None])[0]

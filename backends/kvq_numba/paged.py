@@ -155,7 +155,7 @@ class PagedNumba:
             def jobs_fn(q, jobs, first, row_lo, g, tab, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
                 cpu_attend_planes.planes_jobs(q, jobs, first, row_lo, g, tab, chunks, flat, flat, flat, flat, flat, flat, flat,
                                               desc, impl.token_scaling, impl.bits, impl.key_group, impl.value_group,
-                                              scale, pm, pl, pacc)
+                                              scale, pm, pl, pacc, cpu_attend_planes.WIDE)
             return jobs_fn
         return planes, int(cpu_attend_planes.block_tokens(impl.key_group))
 

@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu.common import fwht_block, unpack_rows
-from kvq_numba.cpu.simd import halves, vfma, vload, vstore
+from kvq_numba.cpu.simd import LANES, halves, vfma, vhmax, vload, vmax, vsplat, vstore
 from kvq_numba.cpu.tiles import ROWS, logits, tile_of, tile_queries, weighted_rows, write_tile
 
 #: tokens per online-softmax block
@@ -60,10 +60,17 @@ def online_softmax(p, n, m, l, acc, vbias, ebits) -> None:
     ``n`` hold stale finite values and are never read as weights.
     """
     nr, d = acc.shape
+    sb = p.shape[1]
+    flat = p.reshape(p.size)
     for r in range(nr):
-        mx = m[r]
-        for i in range(n):
-            mx = max(mx, p[r, i])
+        vm = vsplat(m[r])  # the running max in lanes (a scalar max chain costs a compare's latency per logit)
+        i = 0
+        while i + LANES <= n:
+            vm = vmax(vm, vload(flat, r * sb + i))
+            i += LANES
+        mx = vhmax(vm)
+        for j in range(i, n):
+            mx = max(mx, p[r, j])
         corr = np.exp(m[r] - mx)
         m[r] = mx
         for i in range(p.shape[1]):
@@ -75,7 +82,6 @@ def online_softmax(p, n, m, l, acc, vbias, ebits) -> None:
                 a[c] *= corr
             for g in range(vbias.shape[1]):
                 vbias[r, g] *= corr
-    flat = p.reshape(p.size)
     _exp_nonpositive(flat, flat, ebits)
     for r in range(nr):
         tot = np.float32(0)

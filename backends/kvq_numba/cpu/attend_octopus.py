@@ -33,13 +33,14 @@ F_KC, F_KN, F_VC, F_VN, F_VH = range(5)
 
 
 @njit(cache=True, inline="always")
-def _floats(buf, addr, n, scratch, out) -> None:
-    """``out[i]`` = the float32 at byte ``addr[i]`` (``i < n``): read in place when the values follow
-    one another (contiguous blocks), else byte by byte (page rows)."""
-    if addr[n - 1] - addr[0] == (n - 1) * 4:
-        src = buf[addr[0]:addr[0] + 4 * n].view(np.float32)
+def _floats(buf, words, addr, n, scratch, out) -> None:
+    """``out[i]`` = the float32 at byte ``addr[i]`` (``i < n``): read in place from ``words`` (``buf``'s whole
+    4-byte words as float32, a view the caller takes once) when the values follow one another on word
+    boundaries (contiguous blocks), else byte by byte (page rows)."""
+    if addr[n - 1] - addr[0] == (n - 1) * 4 and addr[0] & 3 == 0:
+        w0 = addr[0] >> 2
         for i in range(n):
-            out[i] = src[i]
+            out[i] = words[w0 + i]
     else:
         view = scratch.view(np.float32)
         for i in range(n):
@@ -79,6 +80,11 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
         va = np.empty(BLOCK, np.int64)
         na = np.empty(BLOCK, np.int64)
         nb4 = np.empty(4, np.uint8)
+        # views taken once per chunk: each costs an atomic reference-count pair where a loop takes it
+        acc2 = acc.reshape((ROWS, d))
+        knw = kn[:kn.shape[0] - kn.shape[0] % 4].view(np.float32)
+        vnw = vn[:vn.shape[0] - vn.shape[0] % 4].view(np.float32)
+        dkc, dkn, dvc, dvn, dvh = desc[F_KC], desc[F_KN], desc[F_VC], desc[F_VN], desc[F_VH]
         for job in range(ch, jobs.shape[0], nch):
             if jobs[job, J_KIND] != CODES:
                 continue
@@ -86,21 +92,21 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
             start_job(q, jobs, job, first, row_lo, g, lim, qf, m, l, acc)
             for t0 in range(jobs[job, J_T0], jobs[job, J_T1], BLOCK):
                 n = min(BLOCK, jobs[job, J_T1] - t0)
-                token_rows(table, req, h, t0, n, desc[F_KC], ka)
-                token_rows(table, req, h, t0, n, desc[F_KN], na)
+                token_rows(table, req, h, t0, n, dkc, ka)
+                token_rows(table, req, h, t0, n, dkn, na)
                 ahead = t0 + BLOCK < jobs[job, J_T1]  # prefetch the next block's rows where they follow on
                 if ahead:
                     prefetch_bytes(kc, ka[n - 1] + krb, n * krb)
                     prefetch_bytes(kn, na[n - 1] + 4, n * 4)
-                _floats(kn, na, n, nb4, tok)
+                _floats(kn, knw, na, n, nb4, tok)
                 for i in range(n):
                     tok[i] *= scale
                 decode_rows_at(kc, ka, n, krb, bits, code_table, kflat, d)
                 logits(qf, kflat, d, n, tok, p, nr)
                 mask_block(p, n, t0, lim)
-                online_softmax(p, n, m, l, acc.reshape((ROWS, d)), no_vbias, ebits)
+                online_softmax(p, n, m, l, acc2, no_vbias, ebits)
                 if values_fp16:
-                    token_rows(table, req, h, t0, n, desc[F_VH], va)
+                    token_rows(table, req, h, t0, n, dvh, va)
                     if ahead:
                         prefetch_bytes(vh, va[n - 1] + 2 * d, n * 2 * d)
                     for i in range(n):
@@ -108,12 +114,12 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                             vflat[i * d + c] = half_to_float(half_at(vh, va[i] + 2 * c))
                         vgam[i] = 1
                 else:
-                    token_rows(table, req, h, t0, n, desc[F_VC], va)
-                    token_rows(table, req, h, t0, n, desc[F_VN], na)
+                    token_rows(table, req, h, t0, n, dvc, va)
+                    token_rows(table, req, h, t0, n, dvn, na)
                     if ahead:
                         prefetch_bytes(vc, va[n - 1] + vrb, n * vrb)
                         prefetch_bytes(vn, na[n - 1] + 4, n * 4)
-                    _floats(vn, na, n, nb4, vgam)
+                    _floats(vn, vnw, na, n, nb4, vgam)
                     decode_rows_at(vc, va, n, vrb, bits, code_table, vflat, d)
                 for r in range(ROWS):
                     for i in range(n):

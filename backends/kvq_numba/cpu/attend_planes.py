@@ -12,7 +12,10 @@ errors near 1e-5 against the float64 reference at 32k tokens; centred, near 3e-8
 time. Per (batch, KV head, tile of :data:`ROWS` query rows):
 
 - logits: two tokens by four rows per pass, eight accumulators in registers, the key group's
-  per-channel scale folded into the queries and its offsets into one bias per row;
+  per-channel scale folded into the queries and its offsets into one bias per row; on AVX-512 hosts
+  (:data:`WIDE`) 16-byte chunks in 16-lane vectors, four tokens by four rows per pass, the sixteen dot
+  products reduced by one transposing tree (:func:`kvq_numba.cpu.simd.vsums4x4`), queries and key scales
+  in that width's plane order;
 - online softmax over blocks of up to :data:`BLOCK` tokens (whole key groups);
 - ``P @ V`` straight from the value codes: each token's weight times its channel-group scale, four
   rows by two planes per pass, accumulators in registers over the whole block; value offsets add
@@ -35,8 +38,9 @@ from kvq_numba.cpu.common import fwht_block
 from kvq_numba.cpu.paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH,
                                  gather_rows_bytes, heads_f32, row_addr, mask_block, start_job, store_partial,
                                  token_rows)
-from kvq_numba.cpu.simd import (bytes8, halves, plane, prefetch_bytes, vaccumulate, vfma, vhsum, vload, vmul, vsplat,
-                                vstore, vzero)
+from kvq_numba.cpu.simd import (bytes8, bytes16, halves, plane, prefetch_bytes, vaccumulate, vadd, vbroadcast, vfma,
+                                vhsum, vload, vload16, vmul, vrepeat4, vsplat, vstore, vstore_rows4, vsums4x4, vzero,
+                                vzero16)
 from kvq_numba.cpu.tiles import ROWS
 from kvq_numba.cpu.window import block_plan, finish, group_rows
 
@@ -55,15 +59,28 @@ def fits(bits: int, head_dim: int, value_group: int) -> bool:
 
 
 @njit(cache=True)
-def plane_order(d, bits):
-    """``order[pos]`` = the channel at plane-order position ``pos`` of a ``d``-channel code row."""
+def plane_order(d, bits, lanes):
+    """``order[pos]`` = the channel at plane-order position ``pos`` of a ``d``-channel code row read
+    ``lanes`` bytes at a time."""
     planes = 8 // bits
     order = np.empty(d, np.int64)
-    for ch in range(d // (8 * planes)):
+    for ch in range(d // (lanes * planes)):
         for s in range(planes):
-            for lane in range(8):
-                order[(ch * planes + s) * 8 + lane] = (ch * 8 + lane) * planes + s
+            for lane in range(lanes):
+                order[(ch * planes + s) * lanes + lane] = (ch * lanes + lane) * planes + s
     return order
+
+
+def wide_keys() -> bool:
+    """Whether the logits read 16 code bytes per vector (AVX-512's full width): where the host has
+    ``avx512f``; on AVX2 sixteen lanes would be two registers each and the eight accumulators would spill."""
+    import llvmlite.binding as llvm
+
+    return bool(llvm.get_host_cpu_features().get("avx512f", False))
+
+
+#: logits in 16-lane vectors (:func:`_logits16`) where a key code row is whole 16-byte chunks
+WIDE = wide_keys()
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -107,11 +124,72 @@ def _logits(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, nr) -> None:
         p[3, i], p[3, i1] = (vhsum(a30) + bias[3]) * ta, (vhsum(a31) + bias[3]) * tb
 
 
-@njit(fastmath=True, cache=True)
-def _logits_rows(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, nr) -> None:
-    """:func:`_logits` for a tile of ``nr`` real rows, one inlined copy per row count (called, not inlined
-    into the kernels: inlined, the copies cost ~45 s more compile time per kernel)."""
-    if nr >= 4:
+@njit(fastmath=True, cache=True, inline="always")
+def _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, nr, b16, t4, o16) -> None:
+    """:func:`_logits` in 16-lane vectors (``qs`` in the 16-lane plane order, ``rb`` whole 16-byte
+    chunks), four tokens by four rows per pass (``pf``: ``p`` flat): half the plane extractions and multiply-adds, and the
+    sixteen dot products reduced by one transposing tree (:func:`vsums4x4`) and written as four rows of
+    four. ``b16``, ``t4``, ``o16``: scratch (16, 4 and 16 float32)."""
+    mask = (1 << bits) - 1
+    mid = np.float32(mask) * np.float32(0.5)
+    planes = 8 // bits
+    sb = p.shape[1]
+    for r in range(ROWS):
+        for t in range(4):
+            b16[4 * r + t] = bias[r]
+    vb = vload16(b16, 0)
+    for i in range(ilo, ihi, 4):
+        i1, i2, i3 = min(i + 1, ihi - 1), min(i + 2, ihi - 1), min(i + 3, ihi - 1)
+        a00, a01, a02, a03 = vzero16(), vzero16(), vzero16(), vzero16()
+        a10, a11, a12, a13 = vzero16(), vzero16(), vzero16(), vzero16()
+        a20, a21, a22, a23 = vzero16(), vzero16(), vzero16(), vzero16()
+        a30, a31, a32, a33 = vzero16(), vzero16(), vzero16(), vzero16()
+        o0, o1, o2, o3 = ka[i], ka[i1], ka[i2], ka[i3]
+        for ch in range(rb // 16):
+            x0, x1 = bytes16(kc, o0 + ch * 16), bytes16(kc, o1 + ch * 16)
+            x2, x3 = bytes16(kc, o2 + ch * 16), bytes16(kc, o3 + ch * 16)
+            for s in range(planes):
+                k0, k1 = plane(x0, s * bits, mask, mid), plane(x1, s * bits, mask, mid)
+                k2, k3 = plane(x2, s * bits, mask, mid), plane(x3, s * bits, mask, mid)
+                pos = (ch * planes + s) * 16
+                q = vload16(qs, pos)
+                a00, a01, a02, a03 = vfma(q, k0, a00), vfma(q, k1, a01), vfma(q, k2, a02), vfma(q, k3, a03)
+                if nr > 1:
+                    q = vload16(qs, d + pos)
+                    a10, a11, a12, a13 = vfma(q, k0, a10), vfma(q, k1, a11), vfma(q, k2, a12), vfma(q, k3, a13)
+                if nr > 2:
+                    q = vload16(qs, 2 * d + pos)
+                    a20, a21, a22, a23 = vfma(q, k0, a20), vfma(q, k1, a21), vfma(q, k2, a22), vfma(q, k3, a23)
+                if nr > 3:
+                    q = vload16(qs, 3 * d + pos)
+                    a30, a31, a32, a33 = vfma(q, k0, a30), vfma(q, k1, a31), vfma(q, k2, a32), vfma(q, k3, a33)
+        sums = vadd(vsums4x4(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33), vb)
+        if i + 4 <= ihi:
+            vstore_rows4(pf, i, sb, vmul(sums, vrepeat4(tok, i)))
+        else:  # the group's last 1-3 tokens (the passes' repeated last token dropped)
+            t4[0], t4[1], t4[2], t4[3] = tok[i], tok[i1], tok[i2], tok[i3]
+            vstore_rows4(o16, 0, 4, vmul(sums, vrepeat4(t4, 0)))
+            for r in range(ROWS):
+                for t in range(ihi - i):
+                    p[r, i + t] = o16[4 * r + t]
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _logits_rows(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, nr, wide, b16, t4, o16) -> None:
+    """:func:`_logits` (:func:`_logits16` when ``wide``) for a tile of ``nr`` real rows, one inlined copy per
+    row count and width, itself inlined into the kernel: called once per key group, its array arguments
+    cost an atomic reference-count pair each per call (~12% of the fused call at OScaR INT2's 32-token
+    groups); inlined, the kernel compiles ~70 s longer (~160 s on an AVX-512 Xeon)."""
+    if wide:
+        if nr >= 4:
+            _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 4, b16, t4, o16)
+        elif nr == 3:
+            _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 3, b16, t4, o16)
+        elif nr == 2:
+            _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 2, b16, t4, o16)
+        else:
+            _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 1, b16, t4, o16)
+    elif nr >= 4:
         _logits(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, 4)
     elif nr == 3:
         _logits(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, 3)
@@ -140,16 +218,16 @@ def _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr) 
                 x = bytes8(vc, va[i] + ch * 8)
                 v0 = plane(x, s * bits, mask, mid)
                 v1 = plane(x, (s + 1) * bits, mask, mid)
-                w = vsplat(pw[w0 + i])
+                w = vbroadcast(pw, w0 + i)
                 a00, a01 = vfma(w, v0, a00), vfma(w, v1, a01)
                 if nr > 1:
-                    w = vsplat(pw[w1 + i])
+                    w = vbroadcast(pw, w1 + i)
                     a10, a11 = vfma(w, v0, a10), vfma(w, v1, a11)
                 if nr > 2:
-                    w = vsplat(pw[w2 + i])
+                    w = vbroadcast(pw, w2 + i)
                     a20, a21 = vfma(w, v0, a20), vfma(w, v1, a21)
                 if nr > 3:
-                    w = vsplat(pw[w3 + i])
+                    w = vbroadcast(pw, w3 + i)
                     a30, a31 = vfma(w, v0, a30), vfma(w, v1, a31)
             pos = (ch * planes + s) * 8
             vaccumulate(acc, pos, a00)
@@ -193,15 +271,17 @@ def _fold_key_group(qo, qp, ks, ko, mid, order, qs, bias, ksp) -> None:
 
 
 @njit(cache=True, inline="always")
-def key_stats(buf, table, req, h, grp, desc, d, scratch, out) -> None:
+def key_stats(buf, buf16, table, req, h, grp, desc, d, scratch, scratch16, out) -> None:
     """``out`` = key group ``grp``'s float16 row (scale or offset) of ``d`` channels, read in place when
-    one row holds it (contiguous blocks), else gathered from its stripes first (pages)."""
+    one row holds it (contiguous blocks), else gathered from its stripes first (pages). ``buf16`` and
+    ``scratch16`` are ``buf`` and ``scratch`` as uint16 (views taken once by the caller)."""
     if desc[WIDTH] >= 2 * d:
         a = row_addr(table, req, h, grp * desc[GROUP_ROWS], desc)
-        halves(buf[a:a + 2 * d].view(np.uint16), 0, d, out)
-    else:
-        gather_rows_bytes(buf, table, req, h, grp * desc[GROUP_ROWS], desc, 2 * d, scratch)
-        halves(scratch.view(np.uint16), 0, d, out)
+        if a & 1 == 0:
+            halves(buf16, a >> 1, d, out)
+            return
+    gather_rows_bytes(buf, table, req, h, grp * desc[GROUP_ROWS], desc, 2 * d, scratch)
+    halves(scratch16, 0, d, out)
 
 
 @njit(cache=True, inline="always")
@@ -229,7 +309,7 @@ def block_tokens(kgroup):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc, use_norm, bits, kgroup,
-                vgroup, scale, pm, pl, pacc) -> None:
+                vgroup, scale, pm, pl, pacc, wide) -> None:
     """The CODES jobs of a plan (:func:`kvq_numba.cpu.paged.plan`) over 2- and 4-bit code rows that
     :func:`fits`: partial softmax state of rotated queries ``q`` [kv_heads, rows, d] (channel order)
     over the job's tokens, causal per row, fields read through ``table`` and ``desc`` (one row per
@@ -242,7 +322,9 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
     chunks_per_group = vgroup // (64 // bits)
     sb = block_tokens(kgroup)
     mid = np.float32((1 << bits) - 1) * np.float32(0.5)
-    order = plane_order(d, bits)
+    order = plane_order(d, bits, 8)  # values, and the output's channel order
+    wide = wide and rb % 16 == 0
+    korder = plane_order(d, bits, 16) if wide else order  # queries and key scales
     nch = max(1, min(chunks, jobs.shape[0]))
     for ch in prange(nch):
         lim = np.empty(ROWS, np.int64)
@@ -277,6 +359,17 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
         tok = np.empty(sb, np.float32)
         ebits = np.empty(ROWS * sb, np.int32)
         out = np.empty(ROWS * d, np.float32)  # channel order, value offsets added
+        b16 = np.empty(16, np.float32)  # the 16-lane logits' scratch
+        t4 = np.empty(4, np.float32)
+        o16 = np.empty(16, np.float32)
+        # every view a loop would take, taken once: each view costs an atomic reference count pair
+        # (at one per token and key group they were ~12% of the call)
+        pf = p.reshape(p.size)
+        acc2 = acc.reshape((ROWS, d))
+        kstat16 = kstat.view(np.uint16)
+        ks16 = ks[:ks.shape[0] - ks.shape[0] % 2].view(np.uint16)
+        ko16 = ko[:ko.shape[0] - ko.shape[0] % 2].view(np.uint16)
+        dkc, dvc, dvs, dvo, dkn, dks, dko = desc[F_KC], desc[F_VC], desc[F_VS], desc[F_VO], desc[F_KN], desc[F_KS], desc[F_KO]
         for job in range(ch, jobs.shape[0], nch):
             if jobs[job, J_KIND] != CODES:
                 continue
@@ -284,13 +377,13 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
             start_job(q, jobs, job, first, row_lo, g, lim, qo, m, l, acc)
             vbias[:] = 0
             for j in range(ROWS * d):  # plane order (zeros past the job's rows, as qo)
-                qp[j] = qo[j - j % d + order[j % d]]
+                qp[j] = qo[j - j % d + korder[j % d]]
             for t0 in range(jobs[job, J_T0], jobs[job, J_T1], sb):
                 n = min(sb, jobs[job, J_T1] - t0)
-                token_rows(table, req, h, t0, n, desc[F_KC], ka)
-                token_rows(table, req, h, t0, n, desc[F_VC], va)
-                token_rows(table, req, h, t0, n, desc[F_VS], sa)
-                token_rows(table, req, h, t0, n, desc[F_VO], oa)
+                token_rows(table, req, h, t0, n, dkc, ka)
+                token_rows(table, req, h, t0, n, dvc, va)
+                token_rows(table, req, h, t0, n, dvs, sa)
+                token_rows(table, req, h, t0, n, dvo, oa)
                 token_halves(vs, sa, n, nvg, sbytes, vsf)
                 token_halves(vo, oa, n, nvg, obytes, vof)
                 for gg in range(nvg):  # scales and offsets to [group, token]
@@ -298,9 +391,9 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                         vst[gg * sb + i] = vsf[i * nvg + gg]
                         vot[gg * sb + i] = vof[i * nvg + gg]
                 if use_norm:
-                    token_rows(table, req, 0, t0, n, desc[F_KN], na)
+                    token_rows(table, req, 0, t0, n, dkn, na)
                     for i in range(n):
-                        tok[i] = scale * heads_f32(kn, knw, na[i], desc[F_KN], nbuf, nval)
+                        tok[i] = scale * heads_f32(kn, knw, na[i], dkn, nbuf, nval)
                 else:
                     for i in range(n):
                         tok[i] = scale
@@ -315,13 +408,13 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                 while i < n:  # one key group at a time
                     grp = (t0 + i) // kgroup
                     i_end = min((grp + 1) * kgroup - t0, n)
-                    key_stats(ks, table, req, h, grp, desc[F_KS], d, kstat, ksf)
-                    key_stats(ko, table, req, h, grp, desc[F_KO], d, kstat, kof)
-                    _fold_key_group(qo, qp, ksf, kof, mid, order, qs, bias, ksp)
-                    _logits_rows(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, nr)
+                    key_stats(ks, ks16, table, req, h, grp, dks, d, kstat, kstat16, ksf)
+                    key_stats(ko, ko16, table, req, h, grp, dko, d, kstat, kstat16, kof)
+                    _fold_key_group(qo, qp, ksf, kof, mid, korder, qs, bias, ksp)
+                    _logits_rows(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, pf, nr, wide, b16, t4, o16)
                     i = i_end
                 mask_block(p, n, t0, lim)
-                online_softmax(p, n, m, l, acc.reshape((ROWS, d)), vbias, ebits)
+                online_softmax(p, n, m, l, acc2, vbias, ebits)
                 for gg in range(nvg):
                     for r in range(ROWS):
                         a = np.float32(0)
@@ -370,13 +463,14 @@ def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, vo
     scale = np.float32(scale)
 
     def jobs_fn(qh, jobs, first, row_lo, g, table, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
-        planes_jobs(qh, jobs, first, row_lo, g, table, chunks, *bufs, desc, use_norm, bits, kgroup, vgroup, scale, pm, pl, pacc)
+        planes_jobs(qh, jobs, first, row_lo, g, table, chunks, *bufs, desc, use_norm, bits, kgroup, vgroup, scale, pm, pl, pacc,
+                    WIDE)
     return jobs_fn, int(block_tokens(kgroup))
 
 
 @njit(cache=True)
 def planes_window(q, tk, tv, rotate, inv_sqrt_d, bufs, desc, tokens, use_norm, bits, kgroup, vgroup, scale, split,
-                  chunks):
+                  chunks, wide):
     """``(out [b, q_heads, q_len, d], lse [b, q_heads, q_len])``: a decode step over up to two contiguous
     blocks then the exact window ``tk`` / ``tv`` float32 [b, kv_heads, w, d], in one compiled call.
     Block ``s`` (``s < 2``) has ``tokens[s]`` tokens (0: absent), its seven field buffers in
@@ -384,7 +478,9 @@ def planes_window(q, tk, tv, rotate, inv_sqrt_d, bufs, desc, tokens, use_norm, b
     :func:`kvq_numba.cpu.window.run` does for a list of blocks (group the queries, rotate them into the
     keys' domain when ``rotate``, plan, CODES jobs, their partials rotated back, TAIL jobs, combine,
     ungroup) without its Python-level steps and their kernel launches (~120 us a call). A KVQCache layer
-    holds one or two blocks at almost every step (:data:`kvq_core.integrations.hf.flush.JOIN_RATIO`)."""
+    holds one or two blocks at almost every step (:data:`kvq_core.integrations.hf.flush.JOIN_RATIO`).
+    ``wide``: the logits in 16-lane vectors where rows allow (:data:`WIDE` on this host; an argument, not
+    the global, so that the conformance suite runs both paths on any host)."""
     b, hq, lq, d = q.shape
     nhk, w = tk.shape[1], tk.shape[2]
     g = hq // nhk
@@ -397,7 +493,7 @@ def planes_window(q, tk, tv, rotate, inv_sqrt_d, bufs, desc, tokens, use_norm, b
     for s in range(nseg):
         kc, ks, ko, kn, vc, vs, vo = bufs[s]
         planes_jobs(qc, local[s], first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc[s], use_norm, bits,
-                    kgroup, vgroup, scale, pm, pl, pacc)
+                    kgroup, vgroup, scale, pm, pl, pacc, wide)
     if rotate:  # partials from the values' domain back to the original one (linear: unnormalised is fine)
         flat = pacc.reshape(jobs.shape[0] * ROWS, d)
         fwht_block(flat, flat, inv_sqrt_d)

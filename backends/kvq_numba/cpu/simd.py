@@ -24,34 +24,36 @@ _VF = ir.VectorType(_F32, LANES)
 _VI = ir.VectorType(_I32, LANES)
 
 
-class F32x8(types.Type):
-    """Eight float32 lanes."""
+class F32x(types.Type):
+    """``lanes`` float32 lanes (8, or 16 where the kernels use AVX-512's full width)."""
 
-    def __init__(self) -> None:
-        super().__init__(name="F32x8")
-
-
-class I32x8(types.Type):
-    """Eight int32 lanes."""
-
-    def __init__(self) -> None:
-        super().__init__(name="I32x8")
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        super().__init__(name=f"F32x{lanes}")
 
 
-f32x8 = F32x8()
-i32x8 = I32x8()
+class I32x(types.Type):
+    """``lanes`` int32 lanes."""
+
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        super().__init__(name=f"I32x{lanes}")
 
 
-@register_model(F32x8)
-class _F32x8Model(models.PrimitiveModel):
+f32x8, f32x16 = F32x(8), F32x(16)
+i32x8, i32x16 = I32x(8), I32x(16)
+
+
+@register_model(F32x)
+class _F32xModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type) -> None:  # noqa: ANN001 - numba's model signature
-        super().__init__(dmm, fe_type, _VF)
+        super().__init__(dmm, fe_type, ir.VectorType(_F32, fe_type.lanes))
 
 
-@register_model(I32x8)
-class _I32x8Model(models.PrimitiveModel):
+@register_model(I32x)
+class _I32xModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type) -> None:  # noqa: ANN001
-        super().__init__(dmm, fe_type, _VI)
+        super().__init__(dmm, fe_type, ir.VectorType(_I32, fe_type.lanes))
 
 
 def _element_ptr(context, builder, arrty, arr, idx, vec):  # noqa: ANN001, ANN202 - llvmlite codegen
@@ -62,19 +64,26 @@ def _element_ptr(context, builder, arrty, arr, idx, vec):  # noqa: ANN001, ANN20
 
 def _splat(builder, x, vec):  # noqa: ANN001, ANN202
     v = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vec, ir.Undefined), ir.Constant(_VI, [0] * LANES))
+    return builder.shuffle_vector(v, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(_I32, vec.count),
+                                                                                [0] * vec.count))
 
 
 def _i32(context, builder, value, ty):  # noqa: ANN001, ANN202
     return context.cast(builder, value, ty, types.int32)
 
 
-@intrinsic
-def vload(typingctx, arr, idx):  # noqa: ANN001, ANN201 - numba intrinsic signature
-    """``arr[idx:idx+8]`` of a 1-D float32 array."""
-    def codegen(context, builder, sig, args):
-        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _VF), align=4)
-    return f32x8(arr, idx), codegen
+def _vload(lanes: int):  # noqa: ANN202
+    ty, vec = F32x(lanes), ir.VectorType(_F32, lanes)
+
+    def typer(typingctx, arr, idx):  # noqa: ANN001, ANN202 - numba intrinsic signature
+        def codegen(context, builder, sig, args):
+            return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], vec), align=4)
+        return ty(arr, idx), codegen
+    typer.__doc__ = f"``arr[idx:idx+{lanes}]`` of a 1-D float32 array."
+    return intrinsic(typer)
+
+
+vload, vload16 = _vload(8), _vload(16)
 
 
 @intrinsic
@@ -94,38 +103,45 @@ def vsplat(typingctx, x):  # noqa: ANN001, ANN201
     return f32x8(x), codegen
 
 
-@intrinsic
-def vzero(typingctx):  # noqa: ANN001, ANN201
-    """Eight zeros."""
-    def codegen(context, builder, sig, args):
-        return ir.Constant(_VF, [0.0] * LANES)
-    return f32x8(), codegen
+def _vzero(lanes: int):  # noqa: ANN202
+    ty = F32x(lanes)
+
+    def typer(typingctx):  # noqa: ANN001, ANN202
+        def codegen(context, builder, sig, args):
+            return ir.Constant(ir.VectorType(_F32, lanes), [0.0] * lanes)
+        return ty(), codegen
+    typer.__doc__ = f"{lanes} zeros."
+    return intrinsic(typer)
+
+
+vzero, vzero16 = _vzero(8), _vzero(16)
 
 
 @intrinsic
 def vfma(typingctx, a, b, c):  # noqa: ANN001, ANN201
-    """``a * b + c`` lane-wise (``llvm.fmuladd``: fused where the target has FMA)."""
+    """``a * b + c`` lane-wise, any width (``llvm.fmuladd``: fused where the target has FMA)."""
     def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]),
-                                            "llvm.fmuladd.v8f32")
+        vec = ir.VectorType(_F32, sig.return_type.lanes)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
+                                            f"llvm.fmuladd.v{vec.count}f32")
         return builder.call(fn, args)
-    return f32x8(a, b, c), codegen
+    return a(a, b, c), codegen
 
 
 @intrinsic
 def vmul(typingctx, a, b):  # noqa: ANN001, ANN201
-    """``a * b`` lane-wise."""
+    """``a * b`` lane-wise, any width."""
     def codegen(context, builder, sig, args):
         return builder.fmul(args[0], args[1])
-    return f32x8(a, b), codegen
+    return a(a, b), codegen
 
 
 @intrinsic
 def vadd(typingctx, a, b):  # noqa: ANN001, ANN201
-    """``a + b`` lane-wise."""
+    """``a + b`` lane-wise, any width."""
     def codegen(context, builder, sig, args):
         return builder.fadd(args[0], args[1])
-    return f32x8(a, b), codegen
+    return a(a, b), codegen
 
 
 @intrinsic
@@ -145,24 +161,128 @@ def vhsum(typingctx, a):  # noqa: ANN001, ANN201
 
 
 @intrinsic
-def bytes8(typingctx, arr, idx):  # noqa: ANN001, ANN201
-    """``arr[idx:idx+8]`` of a 1-D uint8 array, zero-extended to eight int32 lanes."""
+def vmax(typingctx, a, b):  # noqa: ANN001, ANN201
+    """Lane-wise maximum of two float vectors of one width (``a`` where ``a > b``, else ``b``)."""
     def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(8), LANES))
-        return builder.zext(builder.load(ptr, align=1), _VI)
-    return i32x8(arr, idx), codegen
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+    if not (isinstance(a, F32x) and a == b):
+        return None
+    return a(a, b), codegen
+
+
+@intrinsic
+def vhmax(typingctx, a):  # noqa: ANN001, ANN201
+    """The largest lane (halves compared pairwise, as :func:`vhsum` adds them): a running maximum kept in
+    lanes, where a scalar ``max`` chain runs one compare per element at its full latency."""
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        width = sig.args[0].lanes
+        while width > 1:
+            width //= 2
+            mask = ir.VectorType(_I32, width)
+            lo = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(width, 2 * width))))
+            v = builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+    return types.float32(a), codegen
+
+
+@intrinsic
+def vbroadcast(typingctx, arr, idx):  # noqa: ANN001, ANN201
+    """``arr[idx]`` (1-D float32) in all eight lanes: one broadcast load, without the negative-index
+    wrap a subscript compiles to (three integer instructions per load in the value loops)."""
+    def codegen(context, builder, sig, args):
+        x = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _F32), align=4)
+        return _splat(builder, x, _VF)
+    return f32x8(arr, idx), codegen
+
+
+def _fold(builder, x, y, width):  # noqa: ANN001, ANN202
+    """Two 16-lane vectors of ``16 // width`` partial sums at the same places (group ``g``: lanes ``g * width ..``)
+    to one with twice as many of half the width: in each group, x's halves added into its first half and y's
+    into its second. One lane shuffle, one blend, one add: half the shuffle-port work of two shuffles."""
+    half = width // 2
+    lanes = range(16)
+    swap = [(16 + lane - half) if lane % width >= half else lane + half for lane in lanes]
+    mask = ir.VectorType(_I32, 16)
+    from_y = ir.Constant(ir.VectorType(ir.IntType(1), 16), [int(lane % width >= half) for lane in lanes])
+    return builder.fadd(builder.select(from_y, y, x), builder.shuffle_vector(x, y, ir.Constant(mask, swap)))
+
+
+@intrinsic
+def vsums4x4(typingctx, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):  # noqa: ANN001, ANN201
+    """The lane sums of sixteen 16-lane accumulators (``a[4 * r + t]``: row ``r``, token ``t``) as one
+    vector, lane ``4 * r + t``: a transposing tree of 15 folds (:func:`_fold`) and one final shuffle, where a
+    reduction per accumulator costs four shuffles and adds and an extract."""
+    args = (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
+    if any(a != f32x16 for a in args):
+        return None
+
+    def codegen(context, builder, sig, llargs):
+        # each vector with the accumulator index of each of its groups, in lane order
+        level = [(v, [k]) for k, v in enumerate(llargs)]
+        width = 16
+        while len(level) > 1:
+            level = [(_fold(builder, x, y, width), [lab for pair in zip(lx, ly) for lab in pair])
+                     for (x, lx), (y, ly) in zip(level[0::2], level[1::2])]
+            width //= 2
+        v, labels = level[0]
+        order = [labels.index(k) for k in range(16)]
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), order))
+    return f32x16(*args), codegen
+
+
+@intrinsic
+def vrepeat4(typingctx, arr, idx):  # noqa: ANN001, ANN201
+    """``arr[idx:idx+4]`` (1-D float32) four times over sixteen lanes."""
+    def codegen(context, builder, sig, args):
+        x = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_F32, 4)), align=4)
+        return builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, 16), [0, 1, 2, 3] * 4))
+    return f32x16(arr, idx), codegen
+
+
+@intrinsic
+def vstore_rows4(typingctx, arr, idx, stride, v):  # noqa: ANN001, ANN201
+    """``arr[idx + r * stride : ... + 4] = v[4 * r : 4 * r + 4]`` for r in 0..3 (1-D float32): a 4x4 tile's
+    rows written into a row-major array."""
+    def codegen(context, builder, sig, args):
+        vec4, mask = ir.VectorType(_F32, 4), ir.VectorType(_I32, 4)
+        base = args[1]
+        step = context.cast(builder, args[2], sig.args[2], sig.args[1])
+        for r in range(4):
+            part = builder.shuffle_vector(args[3], args[3], ir.Constant(mask, [4 * r + k for k in range(4)]))
+            builder.store(part, _element_ptr(context, builder, sig.args[0], args[0], base, vec4), align=4)
+            base = builder.add(base, step)
+        return context.get_dummy_value()
+    return types.void(arr, idx, stride, v), codegen
+
+
+def _bytes(lanes: int):  # noqa: ANN202
+    ty = I32x(lanes)
+
+    def typer(typingctx, arr, idx):  # noqa: ANN001, ANN202
+        def codegen(context, builder, sig, args):
+            ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(ir.IntType(8), lanes))
+            return builder.zext(builder.load(ptr, align=1), ir.VectorType(_I32, lanes))
+        return ty(arr, idx), codegen
+    typer.__doc__ = f"``arr[idx:idx+{lanes}]`` of a 1-D uint8 array, zero-extended to {lanes} int32 lanes."
+    return intrinsic(typer)
+
+
+bytes8, bytes16 = _bytes(8), _bytes(16)
 
 
 @intrinsic
 def plane(typingctx, x, shift, mask, center):  # noqa: ANN001, ANN201
-    """``float32((x >> shift) & mask) - center`` lane-wise: one bit field of eight code bytes,
+    """``float32((x >> shift) & mask) - center`` lane-wise: one bit field of code bytes (8 or 16 lanes),
     centred (exact for codes below 2**24 and a half-integer ``center``)."""
     def codegen(context, builder, sig, args):
-        sh = _splat(builder, _i32(context, builder, args[1], sig.args[1]), _VI)
-        mk = _splat(builder, _i32(context, builder, args[2], sig.args[2]), _VI)
-        c = _splat(builder, context.cast(builder, args[3], sig.args[3], types.float32), _VF)
-        return builder.fsub(builder.sitofp(builder.and_(builder.lshr(args[0], sh), mk), _VF), c)
-    return f32x8(x, shift, mask, center), codegen
+        vi, vf = ir.VectorType(_I32, sig.args[0].lanes), ir.VectorType(_F32, sig.args[0].lanes)
+        sh = _splat(builder, _i32(context, builder, args[1], sig.args[1]), vi)
+        mk = _splat(builder, _i32(context, builder, args[2], sig.args[2]), vi)
+        c = _splat(builder, context.cast(builder, args[3], sig.args[3], types.float32), vf)
+        return builder.fsub(builder.sitofp(builder.and_(builder.lshr(args[0], sh), mk), vf), c)
+    return F32x(x.lanes)(x, shift, mask, center), codegen
 
 
 @intrinsic

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvq_numba.cpu.simd import vaccumulate, vfma, vhsum, vload, vsplat, vzero
+from kvq_numba.cpu.simd import vaccumulate, vbroadcast, vfma, vhsum, vload, vzero
 
 #: query rows per tile
 ROWS = 4
@@ -110,16 +110,16 @@ def _weighted_rows(pw, sb, vf, d, n, acc, nr) -> None:
         for i in range(n):
             v0 = vload(vf, i * d + c)
             v1 = vload(vf, i * d + c + 8)
-            w = vsplat(pw[i])
+            w = vbroadcast(pw, i)
             a00, a01 = vfma(w, v0, a00), vfma(w, v1, a01)
             if nr > 1:
-                w = vsplat(pw[sb + i])
+                w = vbroadcast(pw, sb + i)
                 a10, a11 = vfma(w, v0, a10), vfma(w, v1, a11)
             if nr > 2:
-                w = vsplat(pw[2 * sb + i])
+                w = vbroadcast(pw, 2 * sb + i)
                 a20, a21 = vfma(w, v0, a20), vfma(w, v1, a21)
             if nr > 3:
-                w = vsplat(pw[3 * sb + i])
+                w = vbroadcast(pw, 3 * sb + i)
                 a30, a31 = vfma(w, v0, a30), vfma(w, v1, a31)
         vaccumulate(acc, c, a00)
         vaccumulate(acc, c + 8, a01)
