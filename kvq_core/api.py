@@ -207,13 +207,14 @@ class Quantizer:
         shape = getattr(x, "shape", None)
         state = self._state(shape[3] if shape is not None and len(shape) == 4 else None)
         encode = state.kernels.encode_keys if kind == "keys" else state.kernels.encode_values
-        shape = check_kv(x, state.spec, self.arrays, kind)
+        xa = self.arrays.asarray(x) if shape is not None else x  # converted once: checks and kernel read it
+        shape = check_kv(x, state.spec, self.arrays, kind, data=xa)
         heads = self._heads(shape, kind)
         self._device_ok(state, x)
-        fields = encode(self.arrays.asarray(x), self._ctx(state, shape, layer))
+        fields = encode(xa, self._ctx(state, shape, layer))
         packed = PackedKV(state.spec, kind, shape, fields, layer, dtype_name(x))  # type: ignore[arg-type]
         packed.check_structure()
-        check_stored_finite(packed, x, self.arrays, kind)
+        check_stored_finite(packed, xa, self.arrays, kind)
         packed.mark_checked()  # its fields are the kernel's, just checked: validated once
         self._keep(state)
         self._bind_heads(heads)

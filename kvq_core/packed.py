@@ -74,6 +74,12 @@ class PackedKV:
     def bits_per_element(self) -> float:
         return 8.0 * self.nbytes() / self.num_elements
 
+    def with_tokens(self, tokens: int, fields: dict[str, Any]) -> "PackedKV":
+        """This block's spec, kind, layer and dtype over ``tokens`` tokens with ``fields`` (unchecked): what
+        joining, slicing and paging make. Built directly: ``dataclasses.replace`` costs ~5 us a block."""
+        b, h, _, d = self.shape
+        return PackedKV(self.spec, self.kind, (b, h, tokens, d), fields, self.layer, self.dtype)
+
     def __repr__(self) -> str:
         """One line: method and spec, what and shape, stored bytes and bits per element (not the arrays)."""
         return (f"PackedKV({self.kind} {self.spec.describe()}, shape={list(self.shape)}, {self.dtype}, layer={self.layer}, "

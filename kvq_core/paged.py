@@ -293,7 +293,7 @@ def _slice_block(p: PackedKV, tokens: int, group: int) -> PackedKV:
             fields[name] = a[:, :, :tokens]
         else:
             fields[name] = a[:, :, :groups]
-    return dataclasses.replace(p, shape=(p.shape[0], p.shape[1], tokens, p.shape[3]), fields=fields)
+    return p.with_tokens(tokens, fields)
 
 
 def _merge(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,6 @@ layouts allow it (:func:`token_separable`, :func:`token_granule`) and the join a
 themselves (:func:`concat_tokens`, :func:`slice_tokens`)."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import types
@@ -123,7 +122,7 @@ def concat_tokens(parts: "list[PackedKV]", arrays: Any = None) -> PackedKV:
         ax = axes[name]
         fields[name] = join(xs, ax) if join else np.concatenate([to_host(x) for x in xs], axis=ax)
     tokens = sum(p.shape[2] for p in parts)
-    out = dataclasses.replace(first, shape=(first.shape[0], first.shape[1], tokens, first.shape[3]), fields=fields)
+    out = first.with_tokens(tokens, fields)
     if not inherit_validation(out, parts):
         out.check_structure()
     return out
@@ -158,6 +157,6 @@ def slice_tokens(p: PackedKV, start: int, stop: int) -> PackedKV:
         index = [slice(None)] * a.ndim
         index[axes[name]] = slice(lo[name], hi[name])
         fields[name] = a[tuple(index)]
-    out = dataclasses.replace(p, shape=(p.shape[0], p.shape[1], stop - start, p.shape[3]), fields=fields)
+    out = p.with_tokens(stop - start, fields)
     inherit_validation(out, [p])
     return out

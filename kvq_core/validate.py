@@ -30,8 +30,9 @@ def dtype_name(x: Any) -> str:
     return type(x).__name__ if dtype is None else _dtype_name(dtype)  # cached: str() of a dtype costs ~5 us
 
 
-def check_kv(x: Any, spec: MethodSpec, arrays: ArrayAdapter, what: str = "keys") -> tuple[int, int, int, int]:
-    """Check a K/V array ``[batch, kv_heads, tokens, head_dim]``; return its shape."""
+def check_kv(x: Any, spec: MethodSpec, arrays: ArrayAdapter, what: str = "keys", data: Any = None) -> tuple[int, int, int, int]:
+    """Check a K/V array ``[batch, kv_heads, tokens, head_dim]``; return its shape. ``data``: ``x``
+    already converted by ``arrays.asarray`` (its values are tested for finiteness without converting again)."""
     shape = getattr(x, "shape", None)
     if shape is None:
         raise InputError(f"{what}: got {type(x).__name__}; expected an array [batch, kv_heads, tokens, head_dim]")
@@ -42,15 +43,15 @@ def check_kv(x: Any, spec: MethodSpec, arrays: ArrayAdapter, what: str = "keys")
         raise InputError(f"{what}: got empty shape {list(shape)}; every dimension must be >= 1")
     if shape[3] != spec.head_dim:
         raise InputError(f"{what}: head_dim {shape[3]} does not match the spec's head_dim={spec.head_dim}")
-    _check_float_finite(x, arrays, what)
+    _check_float_finite(x, arrays, what, x if data is None else data)
     return shape  # type: ignore[return-value]
 
 
-def _check_float_finite(x: Any, arrays: ArrayAdapter, what: str) -> None:
+def _check_float_finite(x: Any, arrays: ArrayAdapter, what: str, data: Any) -> None:
     name = dtype_name(x)
     if name not in _FLOAT_NAMES:
         raise InputError(f"{what}: dtype {name} is not supported; expected one of {', '.join(_FLOAT_NAMES)}")
-    if not arrays.all_finite(x):
+    if not arrays.all_finite(data):
         raise InputError(f"{what}: contains NaN or Inf; kvq rejects non-finite input rather than store garbage codes")
 
 
@@ -206,5 +207,5 @@ def check_query_for(q: Any, blocks_shape: tuple[int, int, int, int], arrays: Arr
         raise InputError(f"query head_dim {shape[3]} does not match the cache head_dim {d}")
     if shape[1] % hk:
         raise InputError(f"query heads {shape[1]} is not a multiple of kv_heads {hk} (GQA needs q_heads = g * kv_heads)")
-    _check_float_finite(q, arrays, "query")
+    _check_float_finite(q, arrays, "query", q)
     return shape  # type: ignore[return-value]
