@@ -18,8 +18,8 @@ time. Per (batch, KV head, tile of :data:`ROWS` query rows):
   in that width's plane order;
 - online softmax over blocks of up to :data:`BLOCK` tokens (whole key groups);
 - ``P @ V`` straight from the value codes: each token's weight times its channel-group scale, four
-  rows by two planes per pass, accumulators in registers over the whole block; value offsets add
-  ``sum_i p_i * offset_i`` per row and group.
+  rows by two planes per pass, accumulators in registers over the whole block (on AVX-512 hosts the two
+  planes in one 16-lane vector); value offsets add ``sum_i p_i * offset_i`` per row and group.
 
 Rows past the query count in the last tile are zeros; their results are dropped, and the tile's
 multiplies run for its real rows only (a copy of the inner loops per row count 1-4: a GQA group of 3
@@ -38,9 +38,9 @@ from kvq_numba.cpu.common import fwht_block
 from kvq_numba.cpu.paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH,
                                  gather_rows_bytes, heads_f32, row_addr, mask_block, start_job, store_partial,
                                  token_rows)
-from kvq_numba.cpu.simd import (bytes8, bytes16, halves, plane, prefetch_bytes, vaccumulate, vadd, vbroadcast, vfma,
-                                vhsum, vload, vload16, vmul, vrepeat4, vsplat, vstore, vstore_rows4, vsums4x4, vzero,
-                                vzero16)
+from kvq_numba.cpu.simd import (bytes8, bytes8x2, bytes16, halves, plane, prefetch_bytes, split_shifts, vaccumulate,
+                                vaccumulate16, vadd, vbroadcast, vbroadcast16, vfma, vhsum, vload, vload16, vmul,
+                                vrepeat4, vsplat, vstore, vstore_rows4, vsums4x4, vzero, vzero16)
 from kvq_numba.cpu.tiles import ROWS
 from kvq_numba.cpu.window import block_plan, finish, group_rows
 
@@ -79,7 +79,8 @@ def wide_keys() -> bool:
     return bool(llvm.get_host_cpu_features().get("avx512f", False))
 
 
-#: logits in 16-lane vectors (:func:`_logits16`) where a key code row is whole 16-byte chunks
+#: logits (:func:`_logits16`, where a key code row is whole 16-byte chunks) and ``P @ V``
+#: (:func:`_weighted_values16`) in 16-lane vectors
 WIDE = wide_keys()
 
 
@@ -240,11 +241,51 @@ def _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr) 
             vaccumulate(acc, 3 * d + pos + 8, a31)
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr) -> None:
+    """:func:`_weighted_values` with a pass's two planes in one 16-lane vector (lanes 8-15 the second): they
+    are adjacent in plane order and share their chunk's channel group, so each token takes one broadcast
+    weight per row, half the multiply-adds and plane extractions, and ``acc`` keeps its layout. The sums
+    are the 8-lane path's, lane for lane."""
+    mask = (1 << bits) - 1
+    mid = np.float32(mask) * np.float32(0.5)
+    planes = 8 // bits
+    for ch in range(rb // 8):
+        w0 = (ch // chunks_per_group) * ROWS * sb
+        w1, w2, w3 = w0 + sb, w0 + 2 * sb, w0 + 3 * sb
+        for s in range(0, planes, 2):
+            shifts = split_shifts(s * bits, (s + 1) * bits)
+            a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
+            for i in range(n):
+                v = plane(bytes8x2(vc, va[i] + ch * 8), shifts, mask, mid)
+                a0 = vfma(vbroadcast16(pw, w0 + i), v, a0)
+                if nr > 1:
+                    a1 = vfma(vbroadcast16(pw, w1 + i), v, a1)
+                if nr > 2:
+                    a2 = vfma(vbroadcast16(pw, w2 + i), v, a2)
+                if nr > 3:
+                    a3 = vfma(vbroadcast16(pw, w3 + i), v, a3)
+            pos = (ch * planes + s) * 8
+            vaccumulate16(acc, pos, a0)
+            vaccumulate16(acc, d + pos, a1)
+            vaccumulate16(acc, 2 * d + pos, a2)
+            vaccumulate16(acc, 3 * d + pos, a3)
+
+
 @njit(fastmath=True, cache=True)
-def _weighted_values_rows(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr) -> None:
-    """:func:`_weighted_values` for a tile of ``nr`` real rows, one inlined copy per row count (as
-    :func:`_logits_rows`)."""
-    if nr >= 4:
+def _weighted_values_rows(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr, wide) -> None:
+    """:func:`_weighted_values` (:func:`_weighted_values16` when ``wide``) for a tile of ``nr`` real rows, one
+    inlined copy per row count and width (as :func:`_logits_rows`)."""
+    if wide:
+        if nr >= 4:
+            _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 4)
+        elif nr == 3:
+            _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 3)
+        elif nr == 2:
+            _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 2)
+        else:
+            _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 1)
+    elif nr >= 4:
         _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 4)
     elif nr == 3:
         _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 3)
@@ -323,8 +364,8 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
     sb = block_tokens(kgroup)
     mid = np.float32((1 << bits) - 1) * np.float32(0.5)
     order = plane_order(d, bits, 8)  # values, and the output's channel order
-    wide = wide and rb % 16 == 0
-    korder = plane_order(d, bits, 16) if wide else order  # queries and key scales
+    kwide = wide and rb % 16 == 0  # the logits' width (the values take any row in 16 lanes)
+    korder = plane_order(d, bits, 16) if kwide else order  # queries and key scales
     nch = max(1, min(chunks, jobs.shape[0]))
     for ch in prange(nch):
         lim = np.empty(ROWS, np.int64)
@@ -411,7 +452,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                     key_stats(ks, ks16, table, req, h, grp, dks, d, kstat, kstat16, ksf)
                     key_stats(ko, ko16, table, req, h, grp, dko, d, kstat, kstat16, kof)
                     _fold_key_group(qo, qp, ksf, kof, mid, korder, qs, bias, ksp)
-                    _logits_rows(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, pf, nr, wide, b16, t4, o16)
+                    _logits_rows(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, pf, nr, kwide, b16, t4, o16)
                     i = i_end
                 mask_block(p, n, t0, lim)
                 online_softmax(p, n, m, l, acc2, vbias, ebits)
@@ -423,7 +464,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                             pw[base + i] = p[r, i] * vst[gg * sb + i]
                             a += p[r, i] * (vot[gg * sb + i] + mid * vst[gg * sb + i])
                         vbias[r, gg] += a
-                _weighted_values_rows(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr)
+                _weighted_values_rows(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr, wide)
             for r in range(ROWS):
                 for j in range(d):
                     c = order[j]
@@ -479,8 +520,8 @@ def planes_window(q, tk, tv, rotate, inv_sqrt_d, bufs, desc, tokens, use_norm, b
     keys' domain when ``rotate``, plan, CODES jobs, their partials rotated back, TAIL jobs, combine,
     ungroup) without its Python-level steps and their kernel launches (~120 us a call). A KVQCache layer
     holds one or two blocks at almost every step (:data:`kvq_core.integrations.hf.flush.JOIN_RATIO`).
-    ``wide``: the logits in 16-lane vectors where rows allow (:data:`WIDE` on this host; an argument, not
-    the global, so that the conformance suite runs both paths on any host)."""
+    ``wide``: the logits (where rows allow) and ``P @ V`` in 16-lane vectors (:data:`WIDE` on this host; an
+    argument, not the global, so that the conformance suite runs both paths on any host)."""
     b, hq, lq, d = q.shape
     nhk, w = tk.shape[1], tk.shape[2]
     g = hq // nhk

@@ -88,9 +88,10 @@ vload, vload16 = _vload(8), _vload(16)
 
 @intrinsic
 def vstore(typingctx, arr, idx, v):  # noqa: ANN001, ANN201
-    """``arr[idx:idx+8] = v`` for a 1-D float32 array."""
+    """``arr[idx:idx+lanes] = v`` for a 1-D float32 array, any width."""
     def codegen(context, builder, sig, args):
-        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], _VF), align=4)
+        vec = ir.VectorType(_F32, sig.args[2].lanes)
+        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], vec), align=4)
         return context.get_dummy_value()
     return types.void(arr, idx, v), codegen
 
@@ -187,14 +188,20 @@ def vhmax(typingctx, a):  # noqa: ANN001, ANN201
     return types.float32(a), codegen
 
 
-@intrinsic
-def vbroadcast(typingctx, arr, idx):  # noqa: ANN001, ANN201
-    """``arr[idx]`` (1-D float32) in all eight lanes: one broadcast load, without the negative-index
-    wrap a subscript compiles to (three integer instructions per load in the value loops)."""
-    def codegen(context, builder, sig, args):
-        x = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _F32), align=4)
-        return _splat(builder, x, _VF)
-    return f32x8(arr, idx), codegen
+def _vbroadcast(lanes: int):  # noqa: ANN202
+    ty, vec = F32x(lanes), ir.VectorType(_F32, lanes)
+
+    def typer(typingctx, arr, idx):  # noqa: ANN001, ANN202
+        def codegen(context, builder, sig, args):
+            x = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], _F32), align=4)
+            return _splat(builder, x, vec)
+        return ty(arr, idx), codegen
+    typer.__doc__ = (f"``arr[idx]`` (1-D float32) in all {lanes} lanes: one broadcast load, without the negative-index "
+                     "wrap a subscript compiles to (three integer instructions per load in the value loops).")
+    return intrinsic(typer)
+
+
+vbroadcast, vbroadcast16 = _vbroadcast(8), _vbroadcast(16)
 
 
 def _fold(builder, x, y, width):  # noqa: ANN001, ANN202
@@ -273,12 +280,38 @@ bytes8, bytes16 = _bytes(8), _bytes(16)
 
 
 @intrinsic
+def bytes8x2(typingctx, arr, idx):  # noqa: ANN001, ANN201
+    """``arr[idx:idx+8]`` of a 1-D uint8 array twice over sixteen int32 lanes (zero-extended): one 8-byte
+    chunk's two planes in one vector (:func:`split_shifts`)."""
+    def codegen(context, builder, sig, args):
+        v8 = ir.VectorType(ir.IntType(8), 8)
+        x = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], v8), align=1)
+        x = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, 16), list(range(8)) * 2))
+        return builder.zext(x, ir.VectorType(_I32, 16))
+    return i32x16(arr, idx), codegen
+
+
+@intrinsic
+def split_shifts(typingctx, lo, hi):  # noqa: ANN001, ANN201
+    """Sixteen int32 lanes, ``lo`` in lanes 0-7 and ``hi`` in 8-15: per-lane shifts for :func:`plane`."""
+    def codegen(context, builder, sig, args):
+        vec = ir.VectorType(_I32, 8)
+        lo8, hi8 = (_splat(builder, _i32(context, builder, a, ty), vec) for a, ty in zip(args, sig.args))
+        return builder.shuffle_vector(lo8, hi8, ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+    return i32x16(lo, hi), codegen
+
+
+@intrinsic
 def plane(typingctx, x, shift, mask, center):  # noqa: ANN001, ANN201
     """``float32((x >> shift) & mask) - center`` lane-wise: one bit field of code bytes (8 or 16 lanes),
-    centred (exact for codes below 2**24 and a half-integer ``center``)."""
+    centred (exact for codes below 2**24 and a half-integer ``center``). ``shift``: an integer, or one
+    per lane (an ``I32x`` as wide as ``x``)."""
     def codegen(context, builder, sig, args):
         vi, vf = ir.VectorType(_I32, sig.args[0].lanes), ir.VectorType(_F32, sig.args[0].lanes)
-        sh = _splat(builder, _i32(context, builder, args[1], sig.args[1]), vi)
+        if isinstance(sig.args[1], I32x):
+            sh = args[1]
+        else:
+            sh = _splat(builder, _i32(context, builder, args[1], sig.args[1]), vi)
         mk = _splat(builder, _i32(context, builder, args[2], sig.args[2]), vi)
         c = _splat(builder, context.cast(builder, args[3], sig.args[3], types.float32), vf)
         return builder.fsub(builder.sitofp(builder.and_(builder.lshr(args[0], sh), mk), vf), c)
@@ -359,6 +392,12 @@ def prefetch_bytes(buf, start, nbytes) -> None:
 def vaccumulate(acc, pos, v) -> None:
     """``acc[pos:pos+8] += v`` for a 1-D float32 array."""
     vstore(acc, pos, vadd(vload(acc, pos), v))
+
+
+@njit(inline="always", cache=True)
+def vaccumulate16(acc, pos, v) -> None:
+    """``acc[pos:pos+16] += v`` for a 1-D float32 array."""
+    vstore(acc, pos, vadd(vload16(acc, pos), v))
 
 
 @njit(inline="always", cache=True)
