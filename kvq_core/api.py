@@ -346,8 +346,8 @@ class Quantizer:
                 raise InputError(f"attend_window: block shape {list(pk.shape)} / {list(pv.shape)} differs in batch or "
                                  f"kv_heads from the first block's {list(pairs[0][0].shape)}")
             shape = pk.shape if shape is None else (shape[0], shape[1], shape[2] + pk.shape[2], shape[3])
-            parts.append(({k: asarray(v) for k, v in pk.fields.items()}, {k: asarray(v) for k, v in pv.fields.items()},
-                          pk.shape[2]))
+            parts.add({k: asarray(v) for k, v in pk.fields.items()}, {k: asarray(v) for k, v in pv.fields.items()},
+                      pk.shape[2], pk.kernel_memo())
         return WindowPlan(self, layer, state, pairs, parts, shape)
 
     def attend_window(self, q: Any, blocks: Sequence[tuple[PackedKV, PackedKV]] | WindowPlan, window_k: Any,

@@ -162,19 +162,29 @@ class MethodKernels(Protocol):
     # ``q_len`` tokens are the queries' own, in one call (:meth:`kvq_core.Quantizer.attend_window`).
     # ``blocks`` is a :class:`KernelBlocks`: its ``memo`` lives as long as those blocks (a cache
     # layer reuses them over many decode steps), so a kernel may keep there, under a key of its
-    # own, what it derives from the blocks alone (converted buffers, descriptors), once.
+    # own, what it derives from the blocks alone (converted buffers, descriptors), once;
+    # ``blocks.block_memos[i]`` likewise for block ``i`` alone, kept over plans that share the block.
 
 
 class KernelBlocks(list):  # type: ignore[type-arg]
-    """The blocks of a fused window call, ``[(kfields, vfields, tokens), ...]`` in token order, and
-    ``memo``: a dict for what a kernel derives from these blocks (read-only, never from the queries
-    or the window), which lives as long as they do (:class:`kvq_core.window_plan.WindowPlan`)."""
+    """The blocks of a fused window call, ``[(kfields, vfields, tokens), ...]`` in token order;
+    ``memo``: a dict for what a kernel derives from these blocks together (read-only, never from the
+    queries or the window), which lives as long as they do (:class:`kvq_core.window_plan.WindowPlan`);
+    ``block_memos``: one dict per block for what a kernel derives from that block alone, which lives
+    as long as the block holds the fields it was checked with (:meth:`kvq_core.PackedKV.kernel_memo`),
+    so a plan of one new block and older ones derives only the new one's (a sliding flush's decode step)."""
 
-    __slots__ = ("memo",)
+    __slots__ = ("memo", "block_memos")
 
     def __init__(self, items: Any = ()) -> None:
         super().__init__(items)
         self.memo: dict[Any, Any] = {}
+        self.block_memos: list[dict[Any, Any]] = [{} for _ in self]
+
+    def add(self, kfields: dict[str, Any], vfields: dict[str, Any], tokens: int, memo: dict[Any, Any]) -> None:
+        """Append a block with its per-block memo."""
+        self.append((kfields, vfields, tokens))
+        self.block_memos.append(memo)
 
 
 __all__ = ["ALL_METHODS", "ArrayAdapter", "BackendInfo", "KernelBlocks", "KernelContext", "MethodInfo", "MethodKernels", "Supports", "resolve"]

@@ -113,3 +113,16 @@ def block_layout(spec: "MethodSpec", kind: str, batch: Any, kv_heads: Any, token
         return _cached_layout(spec, kind, batch, kv_heads, tokens)
     make = spec.key_layout if kind == "keys" else spec.value_layout
     return dict(make(batch, kv_heads, tokens))
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_nbytes(spec: "MethodSpec", kind: str, batch: int, kv_heads: int, tokens: int) -> int:
+    return sum(f.nbytes for f in _cached_layout(spec, kind, batch, kv_heads, tokens).values())
+
+
+def block_nbytes(spec: "MethodSpec", kind: str, batch: Any, kv_heads: Any, tokens: Any) -> int:
+    """Bytes a ``kind`` block of these sizes stores (every field, padding included), cached as
+    :func:`block_layout` is: a cache layer counts every block it stores and frees."""
+    if type(batch) is int and type(kv_heads) is int and type(tokens) is int:
+        return _cached_nbytes(spec, kind, batch, kv_heads, tokens)
+    return sum(f.nbytes for f in block_layout(spec, kind, batch, kv_heads, tokens).values())

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvq_core.errors import InputError, KVQError, LayoutError
 from kvq_core.host_arrays import dtype_name, host_all_finite, to_host
-from kvq_core.layout import FLOAT_DTYPES, Field, Kind, block_layout
+from kvq_core.layout import FLOAT_DTYPES, Field, Kind, block_layout, block_nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvq_core.spec import MethodSpec
@@ -23,6 +23,14 @@ BLOCK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 def _host_finite(x: Any) -> bool:
     return host_all_finite(to_host(x))
+
+
+def _plain_shape(shape: Any) -> bool:
+    """Four plain ``int`` sizes in a tuple: what every block built by kvq holds (one test, no generator)."""
+    if type(shape) is not tuple or len(shape) != 4:
+        return False
+    b, h, t, d = shape
+    return type(b) is int and type(h) is int and type(t) is int and type(d) is int
 
 
 def _is_dim(s: Any) -> bool:
@@ -57,6 +65,7 @@ class PackedKV:
     dtype: str = "float32"
 
     _checked: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _memo: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def layout(self) -> Mapping[str, Field]:
@@ -69,7 +78,8 @@ class PackedKV:
 
     def nbytes(self) -> int:
         """Bytes actually stored, from the layout (every field, padding included)."""
-        return sum(f.nbytes for f in self.layout.values())
+        b, h, t, _ = self.shape
+        return block_nbytes(self.spec, self.kind, b, h, t)
 
     def bits_per_element(self) -> float:
         return 8.0 * self.nbytes() / self.num_elements
@@ -109,11 +119,12 @@ class PackedKV:
         """The structural half of :meth:`validate` (everything but the stored values)."""
         if not callable(getattr(self.spec, "key_layout", None)):
             raise LayoutError(f"{self._where()}: spec is a {type(self.spec).__name__}; expected a MethodSpec")
-        if self.kind not in ("keys", "values"):
+        if self.kind != "keys" and self.kind != "values":
             raise LayoutError(f"{self._where()}: kind={self.kind!r}; expected 'keys' or 'values'")
         shape = self.shape
-        if not isinstance(shape, tuple) or len(shape) != 4 or not all(_is_dim(s) for s in shape):
-            raise LayoutError(f"{self._where()}: shape={shape!r}; expected four integers [batch, kv_heads, tokens, head_dim]")
+        if not _plain_shape(shape):  # the usual case (plain ints) in one test; NumPy or symbolic sizes here
+            if not isinstance(shape, tuple) or len(shape) != 4 or not all(_is_dim(s) for s in shape):
+                raise LayoutError(f"{self._where()}: shape={shape!r}; expected four integers [batch, kv_heads, tokens, head_dim]")
         if min(shape) < 1:
             raise InputError(f"{self._where()}: shape {list(shape)} is empty; batch, kv_heads, tokens and head_dim must be >= 1")
         if shape[3] != self.spec.head_dim:
@@ -122,22 +133,24 @@ class PackedKV:
         if self.dtype not in BLOCK_DTYPES:
             raise LayoutError(f"{self._where()}: dtype={self.dtype!r}; expected one of {', '.join(BLOCK_DTYPES)}")
         layer = self.layer
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+        if type(layer) is not int and (isinstance(layer, bool) or not isinstance(layer, (int, np.integer))) or layer < 0:
             raise LayoutError(f"{self._where()}: layer={layer!r}; expected an integer >= 0")
-        if not isinstance(self.fields, Mapping):
-            raise LayoutError(f"{self._where()}: fields is a {type(self.fields).__name__}; expected a dict of arrays")
+        fields = self.fields
+        if type(fields) is not dict and not isinstance(fields, Mapping):
+            raise LayoutError(f"{self._where()}: fields is a {type(fields).__name__}; expected a dict of arrays")
         layout = self.layout
-        if layout.keys() != self.fields.keys():  # the usual case in one comparison; the names only on a mismatch
-            missing = sorted(set(layout) - set(self.fields))
-            extra = sorted(map(str, set(self.fields) - set(layout)))
+        if layout.keys() != fields.keys():  # the usual case in one comparison; the names only on a mismatch
+            missing = sorted(set(layout) - set(fields))
+            extra = sorted(map(str, set(fields) - set(layout)))
             if missing or extra:
                 raise LayoutError(f"{self.spec.method} {self.kind}: missing fields {missing}, unexpected {extra}")
         for name, f in layout.items():
-            arr = self.fields[name]
-            if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            arr = fields[name]
+            try:
+                shape, dtype = tuple(arr.shape), dtype_name(arr.dtype)
+            except (AttributeError, TypeError):
                 raise LayoutError(f"{self.spec.method} {self.kind} field {name!r}: got a {type(arr).__name__}; "
-                                  f"layout says an array {f.dtype}{list(f.shape)}")
-            shape, dtype = tuple(arr.shape), dtype_name(arr.dtype)
+                                  f"layout says an array {f.dtype}{list(f.shape)}") from None
             if shape != f.shape or dtype != f.dtype:
                 raise LayoutError(
                     f"{self.spec.method} {self.kind} field {name!r}: got {dtype}{list(shape)}, "
@@ -148,6 +161,16 @@ class PackedKV:
         """Record that the block as it is now passed :meth:`validate` (a quantizer calls this for
         the blocks it makes, whose fields it has just checked)."""
         self._checked = (self.spec, self.kind, self.shape, self.layer, self.dtype, tuple(self.fields.items()))
+
+    def kernel_memo(self) -> dict[Any, Any]:
+        """A dict for what a kernel derives from this block's fields (buffers, descriptors: never
+        copies of the values), kept while the block holds the fields it was last checked with; a
+        new, empty one after its fields are swapped and checked again. For validated blocks only
+        (:meth:`kvq_core.Quantizer.plan_window` hands it to kernels in ``KernelBlocks.block_memos``)."""
+        memo = self._memo
+        if memo is None or memo[0] is not self._checked:
+            memo = self._memo = (self._checked, {})
+        return memo[1]
 
     def _where(self) -> str:
         return f"packed {getattr(self.spec, 'method', '?')} {self.kind}"

@@ -20,6 +20,10 @@ _F32_TINY = float(np.finfo(np.float32).tiny)
 def _dims(shape: Any) -> tuple[Any, ...]:
     """Shape entries as ints; symbolic sizes (torch SymInts under torch.compile / torch.export)
     are kept as they are, since ``int()`` would specialise a dynamic dimension to a constant."""
+    if len(shape) == 4:  # a K/V array's usual shape (NumPy's tuple, torch's Size) of plain ints: one test
+        b, h, t, d = shape
+        if type(b) is int and type(h) is int and type(t) is int and type(d) is int:
+            return tuple(shape) if type(shape) is not tuple else shape
     if type(shape) is tuple and all(type(s) is int for s in shape):  # NumPy's shapes: nothing to convert
         return shape
     return tuple(s if isinstance(s, int) or type(s).__name__ == "SymInt" else int(s) for s in shape)

@@ -41,6 +41,7 @@ class OctopusNumba(DeviceRouted):
         self.spec = spec
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
         self._table: tuple[Any, np.ndarray] | None = None
+        self._enc: tuple[Any, tuple[Any, ...]] | None = None
         #: values stored as float16 rows (original domain) rather than coded (rotated domain)
         self.values_fp16 = self._fp16_values(spec)
 
@@ -59,13 +60,21 @@ class OctopusNumba(DeviceRouted):
             self._table = (dirs, table)
         return self.spec.triplet_bits, self._table[1]
 
+    def _encode_args(self, consts: Any) -> tuple[Any, ...]:
+        """Encode constants in kernel argument order (after the input), gathered once per layer's
+        constants: a decode step encodes one token per layer, where seven lookups cost ~a tenth of the call."""
+        signs = consts["signs"]
+        if self._enc is None or self._enc[0] is not signs:
+            s = self.spec
+            self._enc = (signs, (np.ascontiguousarray(signs), self.inv_sqrt_d, consts["xi_thresholds"],
+                                 consts["eta_thresholds"], consts["rho_thresholds"],
+                                 np.ascontiguousarray(consts["directions"]), consts["xi_codebook"].size,
+                                 consts["eta_codebook"].size, s.eta_bits, s.rho_bits, s.triplet_bits,
+                                 s.rounding == "joint"))
+        return self._enc[1]
+
     def _encode(self, x: Any, consts: Any) -> Fields:
-        s = self.spec
-        codes, gamma = cpu_octopus.encode(
-            as_float32(x), np.ascontiguousarray(consts["signs"]), self.inv_sqrt_d, consts["xi_thresholds"],
-            consts["eta_thresholds"], consts["rho_thresholds"], np.ascontiguousarray(consts["directions"]),
-            consts["xi_codebook"].size, consts["eta_codebook"].size, s.eta_bits, s.rho_bits, s.triplet_bits,
-            s.rounding == "joint")
+        codes, gamma = cpu_octopus.encode(as_float32(x), *self._encode_args(consts))
         return {"codes": codes, "norm": gamma}
 
     def _decode(self, fields: Fields, consts: Any) -> np.ndarray:
@@ -108,12 +117,15 @@ class OctopusNumba(DeviceRouted):
 
     def _block_args(self, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, ...]:
         """A block's fields and the decode constants, in the attend kernels' argument order (after the queries)."""
-        fp16 = self.values_fp16
-        return (np.ascontiguousarray(kfields["codes"]), as_float32(kfields["norm"]),
-                _NO_CODES if fp16 else np.ascontiguousarray(vfields["codes"]),
-                _NO_NORMS if fp16 else as_float32(vfields["norm"]),
-                half_bits(vfields["data"]) if fp16 else _NO_HALVES, fp16,
-                *self._books(ctx.consts), np.float32(scale))
+        return (*self._block_fields(kfields, vfields), *self._books(ctx.consts), np.float32(scale))
+
+    def _block_fields(self, kfields: Fields, vfields: Fields) -> tuple[Any, ...]:
+        """A block's five field arrays (placeholders where its values do not use one) and the fp16-values flag."""
+        if self.values_fp16:
+            return (np.ascontiguousarray(kfields["codes"]), as_float32(kfields["norm"]), _NO_CODES, _NO_NORMS,
+                    half_bits(vfields["data"]), True)
+        return (np.ascontiguousarray(kfields["codes"]), as_float32(kfields["norm"]), np.ascontiguousarray(vfields["codes"]),
+                as_float32(vfields["norm"]), _NO_HALVES, False)
 
     def domains(self, consts: Any) -> tuple[Any, Any]:
         """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu.paged`) for one layer's
@@ -154,13 +166,24 @@ class OctopusNumba(DeviceRouted):
         """What :func:`kvq_numba.cpu.attend_octopus.octopus_window` takes from up to ``WINDOW_BLOCKS`` blocks
         alone: their field buffers and descriptors (the first block's repeated in the absent places, never
         read), token counts, the layer's signs, and the token split for ``b`` x ``lq`` x ``g`` query rows."""
-        prepared = [cpu_attend_octopus.contiguous_block(*self._block_args(kf, vf, ctx, 1.0)[:6]) for kf, vf, _ in blocks]
+        memos = getattr(blocks, "block_memos", None) or [{} for _ in blocks]
+        prepared = [self._prepared_block(kf, vf, memo) for (kf, vf, _), memo in zip(blocks, memos)]
         prepared += prepared[:1] * (cpu_attend_octopus.WINDOW_BLOCKS - len(prepared))
         tokens = np.array([t for _, _, t in blocks] + [0] * (cpu_attend_octopus.WINDOW_BLOCKS - len(blocks)), np.int64)
         split, chunks = cpu_window.split_plan(b, lq, g, ctx.shape[1], int(tokens.sum()), [cpu_attend_octopus.BLOCK])
         signs = np.ascontiguousarray(ctx.consts["signs"], np.float32)
         return (tuple(p[0] for p in prepared), tuple(p[1] for p in prepared), tokens, len(blocks), signs, split,
                 chunks)
+
+    def _prepared_block(self, kfields: Fields, vfields: Fields, memo: dict[Any, Any]) -> tuple[Any, Any]:
+        """One block's field buffers and descriptor for :func:`~kvq_numba.cpu.attend_octopus.octopus_window`,
+        kept in the (key block's) memo with the value arrays it read: a sliding flush's plan at each decode step
+        prepares only its new block."""
+        kept = memo.get(_WINDOW)
+        values = tuple(vfields.values())
+        if kept is None or len(kept[0]) != len(values) or any(a is not b for a, b in zip(kept[0], values)):
+            kept = memo[_WINDOW] = (values, cpu_attend_octopus.contiguous_block(*self._block_fields(kfields, vfields)))
+        return kept[1]
 
     def _attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                        ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
