@@ -200,18 +200,30 @@ def _logits_rows(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, nr, wide, 
         _logits(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, 1)
 
 
+@njit(cache=True, inline="always")
+def _code_centre(bits):
+    """A ``bits``-bit code's mask and the centre its planes are read around (float32)."""
+    mask = (1 << bits) - 1
+    return mask, np.float32(mask) * np.float32(0.5)
+
+
+@njit(cache=True, inline="always")
+def _weight_rows(ch, chunks_per_group, sb):
+    """Where four rows' weights start in ``pw`` for 8-byte value chunk ``ch`` (its channel group's)."""
+    w0 = (ch // chunks_per_group) * ROWS * sb
+    return w0, w0 + sb, w0 + 2 * sb, w0 + 3 * sb
+
+
 @njit(fastmath=True, cache=True, inline="always")
 def _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr) -> None:
     """``acc[r, pos] += sum_i pw[g, r, i] * code_i[pos]`` (plane order, ``acc`` [4 * d], ``pw``
     [groups, 4, sb], token ``i``'s code row at byte ``va[i]`` of ``vc``): the first ``nr`` of four rows
     (a constant per inlined copy, :func:`_weighted_values_rows`) by two planes per pass over the block's
     tokens."""
-    mask = (1 << bits) - 1
-    mid = np.float32(mask) * np.float32(0.5)
+    mask, mid = _code_centre(bits)
     planes = 8 // bits
     for ch in range(rb // 8):
-        w0 = (ch // chunks_per_group) * ROWS * sb
-        w1, w2, w3 = w0 + sb, w0 + 2 * sb, w0 + 3 * sb
+        w0, w1, w2, w3 = _weight_rows(ch, chunks_per_group, sb)
         for s in range(0, planes, 2):
             a00, a01, a10, a11 = vzero(), vzero(), vzero(), vzero()
             a20, a21, a30, a31 = vzero(), vzero(), vzero(), vzero()
@@ -247,12 +259,10 @@ def _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr
     are adjacent in plane order and share their chunk's channel group, so each token takes one broadcast
     weight per row, half the multiply-adds and plane extractions, and ``acc`` keeps its layout. The sums
     are the 8-lane path's, lane for lane."""
-    mask = (1 << bits) - 1
-    mid = np.float32(mask) * np.float32(0.5)
+    mask, mid = _code_centre(bits)
     planes = 8 // bits
     for ch in range(rb // 8):
-        w0 = (ch // chunks_per_group) * ROWS * sb
-        w1, w2, w3 = w0 + sb, w0 + 2 * sb, w0 + 3 * sb
+        w0, w1, w2, w3 = _weight_rows(ch, chunks_per_group, sb)
         for s in range(0, planes, 2):
             shifts = split_shifts(s * bits, (s + 1) * bits)
             a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
@@ -272,27 +282,27 @@ def _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr
             vaccumulate16(acc, 3 * d + pos, a3)
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr, wide) -> None:
+    """:func:`_weighted_values16` when ``wide``, else :func:`_weighted_values` (``nr`` a constant per copy)."""
+    if wide:
+        _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr)
+    else:
+        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr)
+
+
 @njit(fastmath=True, cache=True)
 def _weighted_values_rows(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr, wide) -> None:
     """:func:`_weighted_values` (:func:`_weighted_values16` when ``wide``) for a tile of ``nr`` real rows, one
     inlined copy per row count and width (as :func:`_logits_rows`)."""
-    if wide:
-        if nr >= 4:
-            _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 4)
-        elif nr == 3:
-            _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 3)
-        elif nr == 2:
-            _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 2)
-        else:
-            _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 1)
-    elif nr >= 4:
-        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 4)
+    if nr >= 4:
+        _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 4, wide)
     elif nr == 3:
-        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 3)
+        _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 3, wide)
     elif nr == 2:
-        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 2)
+        _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 2, wide)
     else:
-        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 1)
+        _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 1, wide)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -362,7 +372,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
     nvg = d // vgroup
     chunks_per_group = vgroup // (64 // bits)
     sb = block_tokens(kgroup)
-    mid = np.float32((1 << bits) - 1) * np.float32(0.5)
+    mid = _code_centre(bits)[1]
     order = plane_order(d, bits, 8)  # values, and the output's channel order
     kwide = wide and rb % 16 == 0  # the logits' width (the values take any row in 16 lanes)
     korder = plane_order(d, bits, 16) if kwide else order  # queries and key scales
