@@ -13,6 +13,8 @@ import numpy as np
 def to_host(x: Any) -> np.ndarray:
     """NumPy view of a host or torch array (torch tensors are detached and moved to the CPU;
     bfloat16, which NumPy lacks, is widened exactly to float32)."""
+    if type(x) is np.ndarray:  # the usual case (every stored field on the host backends): nothing to convert
+        return x
     if hasattr(x, "detach"):
         try:
             return x.numpy()  # a CPU tensor needing no grad, in a dtype NumPy has: the same view, 3 calls fewer

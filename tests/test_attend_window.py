@@ -121,6 +121,21 @@ def test_numba_int_code_logits_at_both_widths(monkeypatch, wide, method, params,
         _check_against_reference("numba", method, params, q_len, lengths)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["8-lane", "16-lane"])
+@pytest.mark.parametrize("method,params", [("octopus", {"bits": 3}), ("turboquant", {"bits": 3})], ids=["octopus", "turboquant"])
+def test_numba_octopus_tiles_at_both_widths(monkeypatch, wide, method, params):
+    """numba's OCTOPUS logits and ``P @ V`` in 8- and 16-lane tiles (an AVX-512 host takes 16,
+    :data:`kvq_numba.cpu.attend_octopus.WIDE`; the plan path passes it to the kernel as an argument, so both run on
+    any host): each equals the reference, a last block of one token included."""
+    pytest.importorskip("numba")
+    from kvq_numba.cpu import attend_octopus
+
+    monkeypatch.setattr(attend_octopus, "WIDE", wide)
+    monkeypatch.setattr(attend_octopus, "WINDOW_BLOCKS", 0)
+    for q_len in (1, 5):
+        _check_against_reference("numba", method, params, q_len, (160, 33))
+
+
 def _check_against_reference(backend, method, params, q_len, lengths):
     pytest.importorskip(backend)
     rng = np.random.default_rng(q_len)

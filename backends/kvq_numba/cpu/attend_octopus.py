@@ -4,8 +4,11 @@ Per (batch, KV head, tile of four query rows): each block of :data:`BLOCK` key r
 to rotated unit vectors (:func:`kvq_numba.cpu.octopus.decode_rows_at`: one table move per triplet)
 and scored by the register tiles of :mod:`kvq_numba.cpu.tiles` (``logit = gamma_t <q, v_hat_t> *
 scale``); online softmax; the value rows (``gamma * v_hat`` in the rotated domain, or float16
-rows in the original domain) are decoded the same way and weighted in registers. Rows past the
-query count in the last tile are zeros; their results are dropped. Decoded blocks stay in L1.
+rows in the original domain) are decoded the same way and weighted in registers. On AVX-512 hosts
+(:data:`WIDE`) both in 16-lane tiles instead (:func:`~kvq_numba.cpu.tiles.logits16`,
+:func:`~kvq_numba.cpu.tiles.weighted_rows16`): half the
+multiply-adds, and the logits' dot products reduced sixteen at a time. Rows past the query count in
+the last tile are zeros; their results are dropped. Decoded blocks stay in L1.
 """
 from __future__ import annotations
 
@@ -16,16 +19,20 @@ from numba import njit, prange
 
 from kvq_numba.cpu import paged
 from kvq_numba.cpu.attend import online_softmax
+from kvq_numba.cpu.attend_planes import wide_keys
 from kvq_numba.cpu.common import fwht_block, half_to_float
 from kvq_numba.cpu.octopus import SPILL, decode_rows_at
 from kvq_numba.cpu.paged import (CODES, DESC, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH, half_at,
                                  mask_block, start_job, store_partial, token_rows)
 from kvq_numba.cpu.simd import prefetch_bytes
-from kvq_numba.cpu.tiles import ROWS, logits, weighted_rows
+from kvq_numba.cpu.tiles import ROWS, logits, logits16, weighted_rows, weighted_rows16
 from kvq_numba.cpu.window import block_plan, finish, group_rows
 
-#: tokens per online-softmax block (two decoded [BLOCK, d] blocks stay in L1 at d = 128)
+#: tokens per online-softmax block (two decoded [BLOCK, d] blocks stay in L1 at d = 128; a multiple of 4)
 BLOCK = 32
+#: logits and ``P @ V`` in 16-lane tiles (:mod:`kvq_numba.cpu.tiles`) where ``d`` is a multiple
+#: of 32: this host has AVX-512 (on AVX2 the tiles' sixteen accumulators would be 32 registers and spill)
+WIDE = wide_keys()
 
 
 #: fields of an OCTOPUS job, in the order of the buffers and descriptor rows (kvq_numba.cpu.paged)
@@ -49,18 +56,28 @@ def _floats(buf, words, addr, n, scratch, out) -> None:
             out[i] = view[0]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(cache=True)
 def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
                  scale, pm, pl, pacc) -> None:
+    """:func:`octopus_jobs_at` at this host's width (:data:`WIDE`, fixed when this compiles)."""
+    octopus_jobs_at(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
+                    scale, pm, pl, pacc, WIDE)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def octopus_jobs_at(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
+                    scale, pm, pl, pacc, wide) -> None:
     """The CODES jobs of a plan (:func:`kvq_numba.cpu.paged.plan`): partial softmax state of rotated
     queries ``q`` [kv_heads, rows, d] over OCTOPUS codes, causal per row, fields read through
     ``table`` and ``desc`` (one row per buffer: key codes, key norm, value codes, value norm,
     float16 values). Values: ``gamma * v_hat`` (rotated domain) or, when ``values_fp16``, the
     float16 rows (original domain). The jobs run as ``chunks`` interleaved chunks, each allocating its
-    scratch once (:func:`kvq_numba.cpu.attend_planes.planes_jobs`)."""
+    scratch once (:func:`kvq_numba.cpu.attend_planes.planes_jobs`). ``wide``: the 16-lane tiles where ``d`` is a
+    multiple of 32 (:data:`WIDE`; an argument, so that both widths run on any host)."""
     nhk, nrow, d = q.shape
     krb = desc[F_KC, WIDTH]
     vrb = desc[F_VC, WIDTH]
+    wide = wide and d % 32 == 0
     nch = max(1, min(chunks, jobs.shape[0]))
     for ch in prange(nch):
         lim = np.empty(ROWS, np.int64)
@@ -73,7 +90,7 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
         vflat = np.empty(BLOCK * d + SPILL, np.float32)
         p = np.zeros((ROWS, BLOCK), np.float32)
         pw = np.empty(ROWS * BLOCK, np.float32)
-        tok = np.empty(BLOCK, np.float32)
+        tok = np.zeros(BLOCK, np.float32)  # finite past a block's tokens (:func:`_logits16` reads them)
         vgam = np.empty(BLOCK, np.float32)
         ebits = np.empty(ROWS * BLOCK, np.int32)
         ka = np.empty(BLOCK, np.int64)
@@ -81,7 +98,7 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
         na = np.empty(BLOCK, np.int64)
         nb4 = np.empty(4, np.uint8)
         # views taken once per chunk: each costs an atomic reference-count pair where a loop takes it
-        acc2 = acc.reshape((ROWS, d))
+        pf = p.reshape(ROWS * BLOCK)
         knw = kn[:kn.shape[0] - kn.shape[0] % 4].view(np.float32)
         vnw = vn[:vn.shape[0] - vn.shape[0] % 4].view(np.float32)
         dkc, dkn, dvc, dvn, dvh = desc[F_KC], desc[F_KN], desc[F_VC], desc[F_VN], desc[F_VH]
@@ -90,6 +107,7 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                 continue
             req, h, nr = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_NROWS]
             start_job(q, jobs, job, first, row_lo, g, lim, qf, m, l, acc)
+            acc2 = acc[:nr * d].reshape((nr, d))  # the softmax state of the real rows only
             for t0 in range(jobs[job, J_T0], jobs[job, J_T1], BLOCK):
                 n = min(BLOCK, jobs[job, J_T1] - t0)
                 token_rows(table, req, h, t0, n, dkc, ka)
@@ -102,7 +120,10 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                 for i in range(n):
                     tok[i] *= scale
                 decode_rows_at(kc, ka, n, krb, bits, code_table, kflat, d)
-                logits(qf, kflat, d, n, tok, p, nr)
+                if wide:
+                    logits16(qf, kflat, d, n, tok, pf, BLOCK, nr)
+                else:
+                    logits(qf, kflat, d, n, tok, p, nr)
                 mask_block(p, n, t0, lim)
                 online_softmax(p, n, m, l, acc2, no_vbias, ebits)
                 if values_fp16:
@@ -121,10 +142,13 @@ def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, d
                         prefetch_bytes(vn, na[n - 1] + 4, n * 4)
                     _floats(vn, vnw, na, n, nb4, vgam)
                     decode_rows_at(vc, va, n, vrb, bits, code_table, vflat, d)
-                for r in range(ROWS):
+                for r in range(nr):
                     for i in range(n):
                         pw[r * BLOCK + i] = p[r, i] * vgam[i]
-                weighted_rows(pw, BLOCK, vflat, d, n, acc, nr)
+                if wide:
+                    weighted_rows16(pw, BLOCK, vflat, d, n, acc, nr)
+                else:
+                    weighted_rows(pw, BLOCK, vflat, d, n, acc, nr)
             store_partial(job, m, l, acc, pm, pl, pacc)
 
 
@@ -137,11 +161,12 @@ def octopus_window(q, tk, tv, signs, inv_sqrt_d, bufs, desc, tokens, nseg, value
                    chunks):
     """``(out [b, q_heads, q_len, d], lse [b, q_heads, q_len])``: a decode step over the first ``nseg`` (at most
     :data:`WINDOW_BLOCKS`) contiguous OCTOPUS blocks then the exact window ``tk`` / ``tv`` float32 [b, kv_heads,
-    w, d], in one compiled call: what :func:`kvq_numba.cpu.window.run` does with :func:`octopus_jobs` (queries
+    w, d], in one compiled call: what :func:`kvq_numba.cpu.window.run` does with :func:`octopus_jobs_at` (queries
     grouped and rotated into the keys' domain, ``H diag(s_h) q``; the codes' partials brought back, ``diag(s_h)
     H``, unless the values are float16 rows; the window's jobs; one combine) without its Python steps and
     their kernel launches. Block ``s`` has ``tokens[s]`` tokens, its five field buffers in ``bufs[s]`` and its
-    descriptor rows in ``desc[s]`` (:func:`contiguous_block`); ``signs`` float32 [kv_heads, d]."""
+    descriptor rows in ``desc[s]`` (:func:`contiguous_block`); ``signs`` float32 [kv_heads, d]. The width is this
+    host's (:data:`WIDE`, fixed when this compiles)."""
     b, hq, lq, d = q.shape
     nhk, w = tk.shape[1], tk.shape[2]
     g = hq // nhk
@@ -155,8 +180,8 @@ def octopus_window(q, tk, tv, signs, inv_sqrt_d, bufs, desc, tokens, nseg, value
     coded, jobs, groups, local, first, row_lo, table, pm, pl, pacc = block_plan(b, lq, g, nhk, d, tokens, nseg, w, split)
     for s in range(nseg):
         kc, kn, vc, vn, vh = bufs[s]
-        octopus_jobs(qc, local[s], first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc[s], values_fp16, bits,
-                     code_table, scale, pm, pl, pacc)
+        octopus_jobs_at(qc, local[s], first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc[s], values_fp16, bits,
+                        code_table, scale, pm, pl, pacc, WIDE)
     if not values_fp16:  # partials from the values' domain back to the original one (linear)
         flat = pacc.reshape(jobs.shape[0] * ROWS, d)
         fwht_block(flat, flat, inv_sqrt_d)
@@ -193,13 +218,14 @@ def _contiguous_desc(nhk: int, nt: int, krb: int, vrb: int, d: int, values_fp16:
 
 
 def contiguous_jobs(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
-    """``(jobs_fn, align)``: :func:`octopus_jobs` over one contiguous block (:func:`contiguous_block`), for
-    :func:`kvq_numba.cpu.paged.run` and its kin."""
+    """``(jobs_fn, align)``: :func:`octopus_jobs_at` over one contiguous block (:func:`contiguous_block`), for
+    :func:`kvq_numba.cpu.paged.run` and its kin, at the width :data:`WIDE` holds when it runs."""
     bufs, desc = contiguous_block(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16)
     scale = np.float32(scale)
 
     def jobs_fn(qh, jobs, first, row_lo, g, tab, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
-        octopus_jobs(qh, jobs, first, row_lo, g, tab, chunks, *bufs, desc, values_fp16, bits, table, scale, pm, pl, pacc)
+        octopus_jobs_at(qh, jobs, first, row_lo, g, tab, chunks, *bufs, desc, values_fp16, bits, table, scale, pm, pl,
+                        pacc, WIDE)
     return jobs_fn, BLOCK
 
 

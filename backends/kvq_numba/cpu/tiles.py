@@ -4,7 +4,8 @@
 
 Both keep eight accumulators in registers: logits four rows by two tokens per pass over ``d``;
 ``P @ V`` four rows by two 8-channel vectors per pass over the block's tokens. ``d`` is a
-multiple of 16. A tile computes only its real rows (``nr``): each is compiled once per row count
+multiple of 16. On AVX-512 hosts the 16-lane tiles (:func:`logits16`, :func:`weighted_rows16`; ``d`` a
+multiple of 32) take four rows by four tokens per logits pass and two 16-channel vectors per ``P @ V`` pass. A tile computes only its real rows (``nr``): each is compiled once per row count
 1-4, the count a constant in each copy, so a GQA group of 3 (SmolLM2, Qwen) or 1 (multi-head
 attention) does not pay for the padding rows' multiplies (the planes kernel does the same,
 :mod:`kvq_numba.cpu.attend_planes`).
@@ -14,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvq_numba.cpu.simd import vaccumulate, vbroadcast, vfma, vhsum, vload, vzero
+from kvq_numba.cpu.simd import (vaccumulate, vaccumulate16, vbroadcast, vbroadcast16, vfma, vhsum, vload, vload16, vmul,
+                                vrepeat4, vstore_rows4, vsums4x4, vzero, vzero16)
 
 #: query rows per tile
 ROWS = 4
@@ -143,3 +145,94 @@ def weighted_rows(pw, sb, vf, d, n, acc, nr) -> None:
         _weighted_rows(pw, sb, vf, d, n, acc, 2)
     else:
         _weighted_rows(pw, sb, vf, d, n, acc, 1)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _logits16(qf, kf, d, n, tok, pf, sb, nr) -> None:
+    """``pf[r * sb + i] = (qf[r] . kf[i]) * tok[i]`` for ``i < n`` (``qf`` [4 * d], ``kf`` [>= n * d] flat rows,
+    ``d`` a multiple of 16): four rows by four tokens per pass in 16-lane vectors, the sixteen dot products
+    reduced by one transposing tree (:func:`vsums4x4`) and stored as four rows of four. Tokens past ``n`` up to
+    the pass's end repeat the last one, times their stale (finite) ``tok``; rows from ``nr`` on get 0 (``nr`` a
+    constant per inlined copy, :func:`logits16`)."""
+    for i in range(0, n, 4):
+        o0, o1, o2, o3 = i * d, min(i + 1, n - 1) * d, min(i + 2, n - 1) * d, min(i + 3, n - 1) * d
+        a00, a01, a02, a03 = vzero16(), vzero16(), vzero16(), vzero16()
+        a10, a11, a12, a13 = vzero16(), vzero16(), vzero16(), vzero16()
+        a20, a21, a22, a23 = vzero16(), vzero16(), vzero16(), vzero16()
+        a30, a31, a32, a33 = vzero16(), vzero16(), vzero16(), vzero16()
+        for c in range(0, d, 16):
+            k0, k1, k2, k3 = vload16(kf, o0 + c), vload16(kf, o1 + c), vload16(kf, o2 + c), vload16(kf, o3 + c)
+            q = vload16(qf, c)
+            a00, a01, a02, a03 = vfma(q, k0, a00), vfma(q, k1, a01), vfma(q, k2, a02), vfma(q, k3, a03)
+            if nr > 1:
+                q = vload16(qf, d + c)
+                a10, a11, a12, a13 = vfma(q, k0, a10), vfma(q, k1, a11), vfma(q, k2, a12), vfma(q, k3, a13)
+            if nr > 2:
+                q = vload16(qf, 2 * d + c)
+                a20, a21, a22, a23 = vfma(q, k0, a20), vfma(q, k1, a21), vfma(q, k2, a22), vfma(q, k3, a23)
+            if nr > 3:
+                q = vload16(qf, 3 * d + c)
+                a30, a31, a32, a33 = vfma(q, k0, a30), vfma(q, k1, a31), vfma(q, k2, a32), vfma(q, k3, a33)
+        sums = vsums4x4(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
+        vstore_rows4(pf, i, sb, vmul(sums, vrepeat4(tok, i)))
+
+
+@njit(fastmath=True, cache=True)
+def logits16(qf, kf, d, n, tok, pf, sb, nr) -> None:
+    """:func:`_logits16` for a tile whose first ``nr`` rows are real, one inlined copy per row count (as
+    :func:`kvq_numba.cpu.tiles.logits`)."""
+    if nr >= 4:
+        _logits16(qf, kf, d, n, tok, pf, sb, 4)
+    elif nr == 3:
+        _logits16(qf, kf, d, n, tok, pf, sb, 3)
+    elif nr == 2:
+        _logits16(qf, kf, d, n, tok, pf, sb, 2)
+    else:
+        _logits16(qf, kf, d, n, tok, pf, sb, 1)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _weighted_rows16(pw, sb, vf, d, n, acc, nr) -> None:
+    """``acc[r, c] += sum_i pw[r * sb + i] * vf[i, c]`` for ``i < n`` and rows ``r < nr`` (``acc`` [4 * d], ``vf``
+    [>= n * d] flat rows, ``d`` a multiple of 32): four rows by two 16-channel vectors per pass over the tokens,
+    accumulators in registers (``nr`` a constant per inlined copy, :func:`weighted_rows16`)."""
+    for c in range(0, d, 32):
+        a00, a01, a10, a11 = vzero16(), vzero16(), vzero16(), vzero16()
+        a20, a21, a30, a31 = vzero16(), vzero16(), vzero16(), vzero16()
+        for i in range(n):
+            v0, v1 = vload16(vf, i * d + c), vload16(vf, i * d + c + 16)
+            w = vbroadcast16(pw, i)
+            a00, a01 = vfma(w, v0, a00), vfma(w, v1, a01)
+            if nr > 1:
+                w = vbroadcast16(pw, sb + i)
+                a10, a11 = vfma(w, v0, a10), vfma(w, v1, a11)
+            if nr > 2:
+                w = vbroadcast16(pw, 2 * sb + i)
+                a20, a21 = vfma(w, v0, a20), vfma(w, v1, a21)
+            if nr > 3:
+                w = vbroadcast16(pw, 3 * sb + i)
+                a30, a31 = vfma(w, v0, a30), vfma(w, v1, a31)
+        vaccumulate16(acc, c, a00)
+        vaccumulate16(acc, c + 16, a01)
+        if nr > 1:
+            vaccumulate16(acc, d + c, a10)
+            vaccumulate16(acc, d + c + 16, a11)
+        if nr > 2:
+            vaccumulate16(acc, 2 * d + c, a20)
+            vaccumulate16(acc, 2 * d + c + 16, a21)
+        if nr > 3:
+            vaccumulate16(acc, 3 * d + c, a30)
+            vaccumulate16(acc, 3 * d + c + 16, a31)
+
+
+@njit(fastmath=True, cache=True)
+def weighted_rows16(pw, sb, vf, d, n, acc, nr) -> None:
+    """:func:`_weighted_rows16` for a tile whose first ``nr`` rows are real, one inlined copy per row count."""
+    if nr >= 4:
+        _weighted_rows16(pw, sb, vf, d, n, acc, 4)
+    elif nr == 3:
+        _weighted_rows16(pw, sb, vf, d, n, acc, 3)
+    elif nr == 2:
+        _weighted_rows16(pw, sb, vf, d, n, acc, 2)
+    else:
+        _weighted_rows16(pw, sb, vf, d, n, acc, 1)
