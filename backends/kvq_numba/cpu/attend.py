@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu.common import fwht_block, unpack_rows
-from kvq_numba.cpu.simd import LANES, halves, vfma, vhmax, vload, vmax, vsplat, vstore
+from kvq_numba.cpu.simd import LANES, halves, vfma, vhmax, vload, vmax, vmul, vpow2, vrint, vsplat, vstore
 from kvq_numba.cpu.tiles import ROWS, logits, tile_of, tile_queries, weighted_rows, write_tile
 
 #: tokens per online-softmax block
@@ -24,6 +24,8 @@ BLOCK = 32
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
+#: the exp polynomial's coefficients after the leading 1/720 (:func:`_exp_nonpositive`), highest degree first
+_EXP_POLY = (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -52,6 +54,48 @@ def _exp_nonpositive(x, out, ebits) -> None:
 
 
 @njit(fastmath=True, cache=True, inline="always")
+def vexp_nonpositive(x):
+    """:func:`_exp_nonpositive` of eight lanes ``x <= 0`` in explicit vectors, for loops that LLVM
+    would not vectorise (or only at a narrower width)."""
+    v = vmax(x, vsplat(-87.0))
+    k = vrint(vmul(v, vsplat(_LOG2E)))
+    r = vfma(k, vsplat(-_LN2_LO), vfma(k, vsplat(-_LN2_HI), v))
+    poly = vsplat(1.0 / 720)
+    for c in _EXP_POLY:
+        poly = vfma(poly, r, vsplat(c))
+    return vmul(poly, vpow2(k))
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def row_max(flat, lo, n, start):
+    """The largest of ``start`` and ``flat[lo:lo+n]``, kept in lanes (a scalar max chain costs a
+    compare's latency per logit)."""
+    vm = vsplat(start)
+    i = 0
+    while i + LANES <= n:
+        vm = vmax(vm, vload(flat, lo + i))
+        i += LANES
+    mx = vhmax(vm)
+    for j in range(i, n):
+        mx = max(mx, flat[lo + j])
+    return mx
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def rescale_row(r, mx, m, l, acc, lo, d, vbias) -> None:
+    """Row ``r``'s running max becomes ``mx``: its running sum, output ``acc[lo:lo+d]`` and
+    value-offset sums ``vbias[r]`` scaled by ``exp(m[r] - mx)``."""
+    corr = np.exp(m[r] - mx)
+    m[r] = mx
+    l[r] *= corr
+    if corr != 1:
+        for c in range(d):
+            acc[lo + c] *= corr
+        for g in range(vbias.shape[1]):
+            vbias[r, g] *= corr
+
+
+@njit(fastmath=True, cache=True, inline="always")
 def online_softmax(p, n, m, l, acc, vbias, ebits) -> None:
     """Online softmax step: logits ``p[:, :n]`` become weights; running max/sum/output (``acc``
     and the per-row value-offset sums ``vbias``) rescaled.
@@ -63,25 +107,10 @@ def online_softmax(p, n, m, l, acc, vbias, ebits) -> None:
     sb = p.shape[1]
     flat = p.reshape(p.size)
     for r in range(nr):
-        vm = vsplat(m[r])  # the running max in lanes (a scalar max chain costs a compare's latency per logit)
-        i = 0
-        while i + LANES <= n:
-            vm = vmax(vm, vload(flat, r * sb + i))
-            i += LANES
-        mx = vhmax(vm)
-        for j in range(i, n):
-            mx = max(mx, p[r, j])
-        corr = np.exp(m[r] - mx)
-        m[r] = mx
+        mx = row_max(flat, r * sb, n, m[r])
+        rescale_row(r, mx, m, l, acc[r], 0, d, vbias)
         for i in range(p.shape[1]):
             p[r, i] = min(p[r, i] - mx, np.float32(0))
-        l[r] *= corr
-        if corr != 1:
-            a = acc[r]
-            for c in range(d):
-                a[c] *= corr
-            for g in range(vbias.shape[1]):
-                vbias[r, g] *= corr
     _exp_nonpositive(flat, flat, ebits)
     for r in range(nr):
         tot = np.float32(0)

@@ -16,7 +16,8 @@ time. Per (batch, KV head, tile of :data:`ROWS` query rows):
   (:data:`WIDE`) 16-byte chunks in 16-lane vectors, four tokens by four rows per pass, the sixteen dot
   products reduced by one transposing tree (:func:`kvq_numba.cpu.simd.vsums4x4`), queries and key scales
   in that width's plane order;
-- online softmax over blocks of up to :data:`BLOCK` tokens (whole key groups);
+- online softmax over blocks of up to :data:`BLOCK` tokens (whole key groups), the real rows only, fused
+  with the ``P @ V`` weights (:func:`_block_weights`);
 - ``P @ V`` straight from the value codes: each token's weight times its channel-group scale, four
   rows by two planes per pass, accumulators in registers over the whole block (on AVX-512 hosts the two
   planes in one 16-lane vector); value offsets add ``sum_i p_i * offset_i`` per row and group.
@@ -33,14 +34,14 @@ import numpy as np
 from numba import njit, prange
 
 from kvq_numba.cpu import paged
-from kvq_numba.cpu.attend import online_softmax
+from kvq_numba.cpu.attend import rescale_row, row_max, vexp_nonpositive
 from kvq_numba.cpu.common import fwht_block
 from kvq_numba.cpu.paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH,
                                  gather_rows_bytes, heads_f32, row_addr, mask_block, start_job, store_partial,
                                  token_rows)
-from kvq_numba.cpu.simd import (bytes8, bytes8x2, bytes16, halves, plane, prefetch_bytes, split_shifts, vaccumulate,
-                                vaccumulate16, vadd, vbroadcast, vbroadcast16, vfma, vhsum, vload, vload16, vmul,
-                                vrepeat4, vsplat, vstore, vstore_rows4, vsums4x4, vzero, vzero16)
+from kvq_numba.cpu.simd import (LANES, bytes8, bytes8x2, bytes16, halves, plane, prefetch_bytes, split_shifts,
+                                vaccumulate, vaccumulate16, vadd, vbroadcast, vbroadcast16, vfma, vhsum, vload, vload16,
+                                vmul, vrepeat4, vsplat, vstore, vstore_rows4, vsums4x4, vzero, vzero16)
 from kvq_numba.cpu.tiles import ROWS
 from kvq_numba.cpu.window import block_plan, finish, group_rows
 
@@ -306,19 +307,73 @@ def _weighted_values_rows(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d,
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _fold_key_group(qo, qp, ks, ko, mid, order, qs, bias, ksp) -> None:
+def _fold_key_group(qo, qp, ks, ko, mid, order, qs, bias, ksp, nr) -> None:
     """``qs = qp * ks`` in plane order and ``bias[r] = qo[r] . (ko + mid * ks)`` (channel order),
-    four rows: the key group's scale and offset for codes centred on ``mid``."""
+    the tile's ``nr`` real rows (the logits read no other ``qs`` row; ``bias`` past them stays 0): the
+    key group's scale and offset for codes centred on ``mid``."""
     d = ks.shape[0]
     vmid = vsplat(mid)
     for j in range(d):
         ksp[j] = ks[order[j]]
-    for r in range(ROWS):
+    for r in range(nr):
         a = vzero()
         for j in range(0, d, 8):
             vstore(qs, r * d + j, vmul(vload(qp, r * d + j), vload(ksp, j)))
             a = vfma(vload(qo, r * d + j), vfma(vmid, vload(ks, j), vload(ko, j)), a)
         bias[r] = vhsum(a)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _group_major(vsf, vof, mid, n, nvg, ps, vst, vot) -> None:
+    """``vst[g * ps + i]`` = token ``i``'s value scale in group ``g`` (``vsf`` [token, group]) and ``vot``
+    its centred offset ``o + mid * s``: two groups (INT2 at head_dim 64) in a loop of constant stride,
+    which LLVM vectorises (~6x faster than the general strided loop)."""
+    if nvg == 2:
+        for i in range(n):
+            s0, s1 = vsf[2 * i], vsf[2 * i + 1]
+            vst[i], vst[ps + i] = s0, s1
+            vot[i], vot[ps + i] = vof[2 * i] + mid * s0, vof[2 * i + 1] + mid * s1
+    else:
+        for gg in range(nvg):
+            for i in range(n):
+                s = vsf[i * nvg + gg]
+                vst[gg * ps + i] = s
+                vot[gg * ps + i] = vof[i * nvg + gg] + mid * s
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _block_weights(pf, ps, n, nr, m, l, acc, d, vbias, vst, vot, nvg, pw) -> None:
+    """Online softmax over a block's logits ``pf`` (``p`` flat, rows ``ps`` apart) for the tile's ``nr``
+    real rows, fused with what ``P @ V`` takes from the weights: ``pw[g, r, i]`` = weight times token
+    ``i``'s scale in value group ``g`` (``vst`` [group, token], rows ``ps`` apart) and ``vbias[r, g] +=``
+    the weights times the centred offsets ``vot``. Explicit 8-lane vectors over whole vectors of tokens
+    (tokens past ``n``: weight 0); rows past ``nr`` are never read as weights and are skipped (a quarter
+    of the work at GQA groups of 3)."""
+    nv = -(-n // LANES) * LANES
+    for r in range(nr):
+        lo = r * ps
+        mx = row_max(pf, lo, n, m[r])
+        rescale_row(r, mx, m, l, acc, r * d, d, vbias)
+        for j in range(n, nv):  # padding: weight ~1e-38 (1 where the row is all masked), taken out below
+            pf[lo + j] = mx - np.float32(100)
+        vneg, vt = vsplat(-mx), vzero()
+        for i in range(lo, lo + nv, LANES):
+            w = vexp_nonpositive(vadd(vload(pf, i), vneg))
+            vstore(pf, i, w)
+            vt = vadd(vt, w)
+        tot = vhsum(vt)
+        for j in range(n, nv):
+            tot -= pf[lo + j]
+            pf[lo + j] = 0
+        l[r] += tot
+        for gg in range(nvg):
+            base, vb = (gg * ROWS + r) * ps, gg * ps
+            va = vzero()
+            for i in range(0, nv, LANES):
+                w = vload(pf, lo + i)
+                vstore(pw, base + i, vmul(w, vload(vst, vb + i)))
+                va = vfma(w, vload(vot, vb + i), va)
+            vbias[r, gg] += vhsum(va)
 
 
 @njit(cache=True, inline="always")
@@ -333,6 +388,19 @@ def key_stats(buf, buf16, table, req, h, grp, desc, d, scratch, scratch16, out) 
             return
     gather_rows_bytes(buf, table, req, h, grp * desc[GROUP_ROWS], desc, 2 * d, scratch)
     halves(scratch16, 0, d, out)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _token_factors(kn, knw, na, n, desc, scale, nbuf, nval, tok) -> None:
+    """``tok[i] = scale *`` token ``i``'s norm (:func:`heads_f32` at byte ``na[i]``): one run of whole
+    float32 words where the rows follow one another (contiguous blocks), in a loop that vectorises."""
+    if desc[WIDTH] >= 4 and na[0] & 3 == 0 and na[n - 1] - na[0] == 4 * (n - 1):
+        w0 = na[0] >> 2
+        for i in range(n):
+            tok[i] = scale * knw[w0 + i]
+    else:
+        for i in range(n):
+            tok[i] = scale * heads_f32(kn, knw, na[i], desc, nbuf, nval)
 
 
 @njit(cache=True, inline="always")
@@ -372,6 +440,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
     nvg = d // vgroup
     chunks_per_group = vgroup // (64 // bits)
     sb = block_tokens(kgroup)
+    ps = -(-sb // LANES) * LANES  # the row stride of p, pw, vst and vot: whole vectors (_block_weights)
     mid = _code_centre(bits)[1]
     order = plane_order(d, bits, 8)  # values, and the output's channel order
     kwide = wide and rb % 16 == 0  # the logits' width (the values take any row in 16 lanes)
@@ -402,13 +471,12 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
         obytes = np.empty(2 * nvg * sb, np.uint8)
         vsf = np.empty(nvg * sb, np.float32)
         vof = np.empty(nvg * sb, np.float32)
-        vst = np.empty(nvg * sb, np.float32)
-        vot = np.empty(nvg * sb, np.float32)
-        pw = np.empty(nvg * ROWS * sb, np.float32)
+        vst = np.zeros(nvg * ps, np.float32)  # zeros: padding lanes are read (times weight 0)
+        vot = np.zeros(nvg * ps, np.float32)
+        pw = np.empty(nvg * ROWS * ps, np.float32)
         vbias = np.empty((ROWS, nvg), np.float32)
-        p = np.zeros((ROWS, sb), np.float32)
+        p = np.zeros((ROWS, ps), np.float32)
         tok = np.empty(sb, np.float32)
-        ebits = np.empty(ROWS * sb, np.int32)
         out = np.empty(ROWS * d, np.float32)  # channel order, value offsets added
         b16 = np.empty(16, np.float32)  # the 16-lane logits' scratch
         t4 = np.empty(4, np.float32)
@@ -416,7 +484,6 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
         # every view a loop would take, taken once: each view costs an atomic reference count pair
         # (at one per token and key group they were ~12% of the call)
         pf = p.reshape(p.size)
-        acc2 = acc.reshape((ROWS, d))
         kstat16 = kstat.view(np.uint16)
         ks16 = ks[:ks.shape[0] - ks.shape[0] % 2].view(np.uint16)
         ko16 = ko[:ko.shape[0] - ko.shape[0] % 2].view(np.uint16)
@@ -427,6 +494,7 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
             req, h, nr = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_NROWS]
             start_job(q, jobs, job, first, row_lo, g, lim, qo, m, l, acc)
             vbias[:] = 0
+            bias[:] = 0
             for j in range(ROWS * d):  # plane order (zeros past the job's rows, as qo)
                 qp[j] = qo[j - j % d + korder[j % d]]
             for t0 in range(jobs[job, J_T0], jobs[job, J_T1], sb):
@@ -437,14 +505,10 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                 token_rows(table, req, h, t0, n, dvo, oa)
                 token_halves(vs, sa, n, nvg, sbytes, vsf)
                 token_halves(vo, oa, n, nvg, obytes, vof)
-                for gg in range(nvg):  # scales and offsets to [group, token]
-                    for i in range(n):
-                        vst[gg * sb + i] = vsf[i * nvg + gg]
-                        vot[gg * sb + i] = vof[i * nvg + gg]
+                _group_major(vsf, vof, mid, n, nvg, ps, vst, vot)
                 if use_norm:
                     token_rows(table, req, 0, t0, n, dkn, na)
-                    for i in range(n):
-                        tok[i] = scale * heads_f32(kn, knw, na[i], dkn, nbuf, nval)
+                    _token_factors(kn, knw, na, n, dkn, scale, nbuf, nval, tok)
                 else:
                     for i in range(n):
                         tok[i] = scale
@@ -461,20 +525,12 @@ def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs
                     i_end = min((grp + 1) * kgroup - t0, n)
                     key_stats(ks, ks16, table, req, h, grp, dks, d, kstat, kstat16, ksf)
                     key_stats(ko, ko16, table, req, h, grp, dko, d, kstat, kstat16, kof)
-                    _fold_key_group(qo, qp, ksf, kof, mid, korder, qs, bias, ksp)
+                    _fold_key_group(qo, qp, ksf, kof, mid, korder, qs, bias, ksp, nr)
                     _logits_rows(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, pf, nr, kwide, b16, t4, o16)
                     i = i_end
                 mask_block(p, n, t0, lim)
-                online_softmax(p, n, m, l, acc2, vbias, ebits)
-                for gg in range(nvg):
-                    for r in range(ROWS):
-                        a = np.float32(0)
-                        base = (gg * ROWS + r) * sb
-                        for i in range(n):
-                            pw[base + i] = p[r, i] * vst[gg * sb + i]
-                            a += p[r, i] * (vot[gg * sb + i] + mid * vst[gg * sb + i])
-                        vbias[r, gg] += a
-                _weighted_values_rows(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr, wide)
+                _block_weights(pf, ps, n, nr, m, l, acc, d, vbias, vst, vot, nvg, pw)
+                _weighted_values_rows(pw, ps, vc, va, n, rb, bits, chunks_per_group, acc, d, nr, wide)
             for r in range(ROWS):
                 for j in range(d):
                     c = order[j]

@@ -410,3 +410,24 @@ def halves(src, lo, n, dst) -> None:
     for k in range(j, n):
         dst[k] = half_to_float(src[lo + k])
 
+
+@intrinsic
+def vrint(typingctx, a):  # noqa: ANN001, ANN201
+    """Lane-wise round to the nearest integer, ties to even (``llvm.rint``), any width."""
+    def codegen(context, builder, sig, args):
+        vec = ir.VectorType(_F32, sig.args[0].lanes)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec]), f"llvm.rint.v{vec.count}f32")
+        return builder.call(fn, args)
+    return a(a), codegen
+
+
+@intrinsic
+def vpow2(typingctx, k):  # noqa: ANN001, ANN201
+    """``2.0 ** k`` lane-wise for integral float lanes ``k`` in -126 .. 127, any width: built in the
+    exponent bits (no libm call)."""
+    def codegen(context, builder, sig, args):
+        lanes = sig.args[0].lanes
+        vi = ir.VectorType(_I32, lanes)
+        e = builder.add(builder.fptosi(args[0], vi), ir.Constant(vi, [127] * lanes))
+        return builder.bitcast(builder.shl(e, ir.Constant(vi, [23] * lanes)), ir.VectorType(_F32, lanes))
+    return k(k), codegen
