@@ -23,6 +23,7 @@ from tiny_gguf import load_tiny_llama  # noqa: E402
 import kvq_core  # noqa: E402
 from kvq_core.errors import InputError, KVQError, SpecError  # noqa: E402
 from kvq_core.integrations.hf import KVQCache, KVQLayer, cache_kwargs, dynamic_cache_nbytes, merge_attention, register  # noqa: E402
+from kvq_core.integrations.hf.flush import default_stride  # noqa: E402
 
 from transformers import DynamicCache  # noqa: E402
 
@@ -166,9 +167,11 @@ def test_generation_runs_with_every_method(models, method):
         assert cache.get_seq_length() == 28  # the last generated token is never fed back
         layer = cache.layers[0]
         assert isinstance(layer, KVQLayer)
-        # block flush: whole multiples of 8 packed; sliding: all but the last 7 (the spec decides)
+        # block flush: whole multiples of 8 packed; sliding: all but the last 7 (the spec decides), and up to
+        # stride - 1 more encoded ahead of need (the default stride, flush.default_stride)
         packed = 24 if layer.flush == "block" else 21
-        assert (layer.packed_length, layer.window_length) == (packed, 28 - packed)
+        assert layer.stride == default_stride(layer.flush, 8, None)
+        assert packed <= layer.packed_length <= packed + layer.stride - 1 and layer.window_length == 28 - packed
         assert layer.flush == type(layer.key_spec).default_flush
         report = cache.memory_report()
         assert report["packed_bytes"] > 0 and math.isfinite(report["bits_per_element"])
@@ -376,8 +379,11 @@ def test_codes_attention_matches_dequant_attention(model, method, params):
             outs = [model(ids[:, :35], **cache_kwargs(model, cache)).logits, model(ids[:, 35:36], **cache_kwargs(model, cache)).logits,
                     model(ids[:, 36:50], **cache_kwargs(model, cache)).logits]
         logits[attn, mode] = torch.cat(outs, dim=1)
-        if mode == "codes":
-            assert cache.layers[0].codes_mode and cache.memory_report()["decoded_bytes"] == 0
+        if mode == "codes":  # no decoded history; at most a block a sliding stride encoded ahead, decoded
+            layers = cache.layers
+            ahead = sum(2 * (l.stride - 1) * l.keys.shape[1] * l.keys.shape[3] * 4 for l in layers)
+            assert layers[0].codes_mode and all(l.history_copy_bytes() == 0 for l in layers)
+            assert cache.memory_report()["decoded_bytes"] <= ahead
     _attn(model, "sdpa")
     assert torch.allclose(logits["kvq", "codes"], logits["kvq", "dequant"], atol=2e-4, rtol=1e-4)
     assert torch.allclose(logits["kvq", "codes"], logits["sdpa", "dequant"], atol=2e-4, rtol=1e-4)
@@ -402,7 +408,7 @@ def test_sliding_chunks_equal_token_by_token_decoding(model, method, params):
                 pos += n
         out[attn, mode, len(steps)] = torch.cat(parts, dim=1)
         layer = cache.layers[0]
-        assert (layer.packed_length, layer.window_length) == (35, 5)
+        assert 35 <= layer.packed_length <= 35 + layer.stride - 1 and layer.window_length == 5
         assert layer.block_tokens == sorted(layer.block_tokens, reverse=True)  # joined as they come
     _attn(model, "sdpa")
     decode = out["sdpa", "dequant", 40]

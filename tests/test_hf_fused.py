@@ -79,7 +79,7 @@ def test_one_kernel_call_per_layer_and_step_equal_to_the_merge_path(model, monke
     AVX-512 Xeon)."""
     ids = _ids(60, seed=3)
     layers = model.config.num_hidden_layers
-    cache = KVQCache(model.config, method, backend, residual=8, **params)
+    cache = KVQCache(model.config, method, backend, residual=8, stride=1, **params)  # stride 1: several blocks
     calls = _Calls(monkeypatch)
     real = kvq_attention.attend_codes
     diffs, merge_calls = [], []

@@ -28,7 +28,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicL
 
 from kvq_core.errors import InputError
 from kvq_core.integrations.hf.accounting import KVQMemoryWarning, dynamic_cache_nbytes, memory_report
-from kvq_core.integrations.hf.flush import FLUSH_MODES
+from kvq_core.integrations.hf.flush import FLUSH_MODES, default_stride
 from kvq_core.integrations.hf.layer import ATTENTION_MODES, CHUNK_MODES, WINDOW_BITS, KVQLayer, mla_dims, separable, to_torch
 from kvq_core.integrations.hf.view import CodesContext
 from kvq_core.plan import layer_codecs
@@ -123,8 +123,10 @@ class KVQCache(Cache):
             ("sliding" for OCTOPUS, TurboQuant and PolarQuant, "block" otherwise), "block" when
             either layout shares statistics across tokens.
         stride: tokens a sliding flush encodes at once (:mod:`kvq_core.integrations.hf.flush`): 1 encodes one token per
-            step; S > 1 encodes every S steps, holding up to S - 1 tokens twice. Attention is
-            the same either way.
+            step; S > 1 encodes every S steps, holding up to S - 1 tokens twice (and, attending from codes,
+            the block encoded ahead decoded while it is read). Attention is the same either way. Default:
+            :func:`~kvq_core.integrations.hf.flush.default_stride` (8 for a sliding flush with an exact window,
+            else 1).
         chunks: "exact" or "decode": how a multi-token step of a sliding layer attends
             (:mod:`kvq_core.integrations.hf.flush`); settable later through the ``chunks`` property (e.g. after a prefill).
         sliding_layers: "quantize" (default) stores sliding-window layers (Mistral, Gemma 2/3
@@ -158,7 +160,7 @@ class KVQCache(Cache):
         *,
         residual: int | None = None,
         flush: str | None = None,
-        stride: int = 1,
+        stride: int | None = None,
         chunks: str = "exact",
         fp_layers: Iterable[int] = (),
         fp_key_layers: Iterable[int] = (),
@@ -215,11 +217,13 @@ class KVQCache(Cache):
             f = flush
             if f is None:
                 f = type(base).default_flush if separable(key_spec, value_spec) else "block"
+            window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
+            s = stride if stride is not None else default_stride(f, r, window)
             layers.append(
                 KVQLayer(
-                    key_spec, value_spec, layer_idx=i, backend=backend, residual=r, flush=f, stride=stride, chunks=chunks,
+                    key_spec, value_spec, layer_idx=i, backend=backend, residual=r, flush=f, stride=s, chunks=chunks,
                     attention="dequant" if mla is not None else attention, cache_decoded=cache_decoded,
-                    config=text_config, sliding_window=kwargs.get("sliding_window") if kind == "sliding_attention" else None,
+                    config=text_config, sliding_window=window,
                     rollback=self._rollback,
                 )
             )

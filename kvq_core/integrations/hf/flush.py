@@ -15,7 +15,8 @@ exactly); *after* that, tokens are packed:
   exactly its ``residual`` most recent tokens (itself included) exactly. ``stride`` S > 1
   encodes S tokens at once, up to S - 1 of them ahead of need: those stay in the window and are
   read exact until they age out, so attention is unchanged, decoding encodes once per S steps,
-  and the cache holds up to S - 1 tokens twice (codes and exact). Per-step blocks are
+  and the cache holds up to S - 1 tokens twice (codes and exact); a cache built without a
+  stride takes :func:`default_stride` (8 where there is an exact window). Per-step blocks are
   joined as they come (:func:`join_range`, :func:`kvq_core.tokens.concat_tokens`), keeping
   O(log n) blocks (each over :data:`JOIN_RATIO` times the next). A multi-token step attends its whole window exactly (as a prefill does), so
   its queries see ``residual``..``residual + chunk - 1`` exact tokens; with ``chunks="decode"``
@@ -76,6 +77,20 @@ def window_drop(flush: str, residual: int, window: int, encoded: int) -> int:
 #: each an attend call per decode step: 5 at 2k tokens); 16 holds 2-3 and copies each token's
 #: codes ~20 times over its life, which costs far less than the calls it saves.
 JOIN_RATIO = 16
+
+
+#: tokens a sliding flush encodes at once when the cache is not told (:func:`default_stride`)
+DEFAULT_STRIDE = 8
+
+
+def default_stride(flush: str, residual: int, sliding_window: int | None) -> int:
+    """The stride of a layer built without one: :data:`DEFAULT_STRIDE` for a sliding flush with an exact window
+    (attention is the same at every stride, and encoding once per S steps saves the per-step encode and block join),
+    1 where nothing is read from codes ahead of need: a block flush, ``residual`` 0 (everything is packed each step),
+    or a sliding-window layer whose exact window covers its window (its codes are never read)."""
+    if flush != "sliding" or residual == 0 or (sliding_window is not None and sliding_window <= residual):
+        return 1
+    return DEFAULT_STRIDE
 
 
 def join_range(block_tokens: Sequence[int], packed_length: int, base: int) -> tuple[int, int]:

@@ -324,6 +324,9 @@ class KVQLayer(DynamicLayer):
         if hi - lo > 1 and all(t % self._granule == 0 for t in self.block_tokens[lo:hi - 1]):
             joined = (concat_tokens([pk for pk, _ in self.blocks[lo:hi]], self.kq.arrays),  # type: ignore[union-attr]
                       concat_tokens([pv for _, pv in self.blocks[lo:hi]], self.vq.arrays))  # type: ignore[union-attr]
+            ahead = self._ahead
+            if ahead is not None and any(pk is ahead[0] for pk, _ in self.blocks[lo:hi]):
+                self.release_ahead()  # the block encoded ahead was passed and joined: its decoded copy goes
             self.blocks[lo:hi] = [joined]
             self.block_tokens[lo:hi] = [sum(self.block_tokens[lo:hi])]
 
@@ -366,6 +369,11 @@ class KVQLayer(DynamicLayer):
             hit = self._ahead = (pk, pv, self.decode_pair(pk, pv))
         return hit[2]
 
+    def release_ahead(self) -> None:
+        """Free the decoded block :meth:`decode_ahead` kept: the window has passed it (called by each codes-mode
+        step that reads no block encoded ahead), so a layer holds it only while it is read."""
+        self._ahead = None
+
     def decode_pair(self, pk: PackedKV, pv: PackedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """A packed (keys, values) block decoded to torch, in the window's device and dtype."""
         like = self.keys
@@ -389,7 +397,7 @@ class KVQLayer(DynamicLayer):
     def drop_decoded(self) -> None:
         """Free the decoded copies (rebuilt on demand)."""
         self._decoded.clear()
-        self._ahead = None
+        self.release_ahead()
 
     def snapshot(self) -> dict[str, Any]:
         """The layer's state, to undo the next ``update`` with :meth:`restore`. Holds references

@@ -117,6 +117,7 @@ def _blocks_before(layer: KVQLayer, base: int) -> tuple[int, Pair | None]:
     ``base`` of the next block (one a sliding stride encoded ahead), if any."""
     whole, part = blocks_before(layer.block_tokens, layer.evicted, base)
     if not part:
+        layer.release_ahead()
         return whole, None
     k, v = layer.decode_ahead(whole)
     return whole, (k[:, :, :part], v[:, :, :part])

@@ -2,7 +2,7 @@
 
 For each prompt length (default 2,048 and 8,192 tokens of WikiText-2) and each cache
 configuration (default: ``DynamicCache``; kvq OScaR INT2 with the block flush and its 128-token
-window; kvq OCTOPUS b=3 with the sliding flush, stride 1 and stride 32; kvq TurboQuant b=3 and,
+window; kvq OCTOPUS b=3 with the sliding flush, its default stride (8) and stride 1; kvq TurboQuant b=3 and,
 beside it, the PyPI ``turboquant`` package's cache at 3 bits; transformers' ``QuantizedCache`` with
 the quanto backend at int4), in one run:
 
@@ -72,7 +72,7 @@ DEFAULT_CONFIGS = (
     REFERENCE,
     "oscar:bits=2,label=oscar-int2",
     "octopus:bits=3,label=octopus-b3",
-    "octopus:bits=3,stride=32,label=octopus-b3-stride32",
+    "octopus:bits=3,stride=1,label=octopus-b3-stride1",
     "turboquant:bits=3,label=turboquant-b3",
     "pypi-turboquant:bits=3,label=pypi-turboquant-3",
     "quanto:nbits=4,label=quanto-int4",
