@@ -489,6 +489,17 @@ def test_codes_mode_decodes_a_block_encoded_ahead_once(model, monkeypatch):
     assert cache.memory_report()["decoded_bytes"] == 0
 
 
+def test_cache_stride_defaults_per_layer(model):
+    """Without a stride, sliding layers with an exact window encode 8 tokens at once; other layers one flush at a
+    time; an explicit stride wins."""
+    assert {layer.stride for layer in KVQCache(model.config, "octopus", bits=3).layers} == {8}
+    assert {layer.stride for layer in KVQCache(model.config, "octopus", bits=3, residual=0).layers} == {1}
+    assert {layer.stride for layer in KVQCache(model.config, "turboquant", bits=3).layers} == {1}  # residual 0
+    assert {layer.stride for layer in KVQCache(model.config, "oscar", bits=2).layers} == {1}  # block flush
+    assert {layer.stride for layer in KVQCache(model.config, "octopus", bits=3, stride=1).layers} == {1}
+    assert {layer.stride for layer in KVQCache(model.config, "octopus", bits=3, stride=3).layers} == {3}
+
+
 def test_flush_and_chunk_modes_are_checked(model):
     with pytest.raises(InputError, match="flush='sliding' needs per-token layouts"):
         KVQCache(model.config, "oscar", bits=2, flush="sliding")

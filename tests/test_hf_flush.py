@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq_core.errors import KVQError
-from kvq_core.integrations.hf.flush import JOIN_RATIO, blocks_before, encode_range, join_range, plan_crop, window_drop
+from kvq_core.integrations.hf.flush import (DEFAULT_STRIDE, JOIN_RATIO, blocks_before, default_stride, encode_range, join_range,
+                                           plan_crop, window_drop)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,6 +89,16 @@ def test_sliding_keeps_residual_minus_one_exact_tokens() -> None:
         assert stop - start == 1 and (m.window, m.packed_length) == (3, m.cumulative - 3)
     assert window_drop("sliding", 4, 4, 1) == 1 and window_drop("sliding", 4, 2, 0) == 0
     assert window_drop("block", 4, 9, 8) == 8  # a block flush drops exactly what it encoded
+
+
+def test_default_stride_only_where_codes_are_read_ahead_of_need() -> None:
+    """A stride only where a sliding flush keeps an exact window whose tokens later leave it for their codes."""
+    assert DEFAULT_STRIDE == 8
+    assert default_stride("sliding", 32, None) == DEFAULT_STRIDE
+    assert default_stride("sliding", 32, 33) == DEFAULT_STRIDE  # the window's oldest token is read from codes
+    assert default_stride("sliding", 32, 32) == 1  # the exact window covers the sliding window: no code is read
+    assert default_stride("sliding", 0, None) == 1  # everything packed each step: nothing to encode ahead
+    assert default_stride("block", 128, None) == 1
 
 
 def test_stride_encodes_stride_tokens_ahead_of_need() -> None:
