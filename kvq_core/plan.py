@@ -10,7 +10,8 @@ A plan is a JSON object::
                layer_params, value_layer_params (a layer's may name another method) and the
                method's parameters}}
 
-:meth:`kvq_core.integrations.hf.KVQCache.from_plan` builds the cache from it; :func:`check_model` refuses a
+:meth:`kvq_core.integrations.hf.KVQCache.from_plan` builds the cache from it (encoding one token per step,
+``stride=1``, so that it stores exactly these bits); :func:`check_model` refuses a
 plan made for a model with another layer count or head shapes, and :func:`load_plan` one of a
 newer format. Bits per element count everything stored at ``context`` tokens: the packed codes
 (every field of the layout, padding included) of the ``context - residual`` oldest tokens, the

@@ -98,6 +98,29 @@ def test_plan_bits_are_what_the_cache_stores(planned, model, ids) -> None:
     assert cache_bits(plan["cache"], plan["model"], CONTEXT) == pytest.approx(stored, rel=1e-9)
 
 
+def test_a_plan_with_an_exact_window_is_built_to_store_its_bits(planned, model, ids) -> None:
+    """With an exact window and a sliding flush a cache's default stride (8) holds up to 7 tokens as codes ahead of
+    need, which a plan's bits do not count: from_plan builds at stride 1, so its cache stores the plan's bits."""
+    from kvq_core.tools.eval.caches import CacheConfig, steady_bits
+    from kvq_core.tools.eval.ppl import token_elements
+    from kvq_core.integrations.hf import KVQCache
+
+    plan, _, tmp = planned
+    args = {**plan["cache"], "residual": 8}
+    path = tmp / "window.json"
+    write_plan({**plan, "cache": args}, path)
+    caches = KVQCache.from_plan(model.config, path), KVQCache(model.config, **args)
+    stored = []
+    with torch.no_grad():
+        for cache in caches:
+            model(ids[:, :CONTEXT], **cache_kwargs(model, cache), use_cache=True)
+            stored.append(steady_bits(cache, CacheConfig("plan", "plan"), CONTEXT, token_elements(model.config)))
+    assert caches[0].kvq_layers and {layer.stride for layer in caches[0].kvq_layers} == {1}
+    assert {layer.stride for layer in caches[1].kvq_layers} == {8} and {layer.flush for layer in caches[1].kvq_layers} == {"sliding"}
+    assert stored[0] == pytest.approx(cache_bits(args, plan["model"], CONTEXT), rel=1e-9)
+    assert stored[1] > stored[0] * 1.01  # 7 tokens held twice in 56 packed per layer
+
+
 def test_a_plan_for_another_model_or_a_newer_format_is_refused(planned, tmp_path) -> None:
     import transformers as tf
 

@@ -256,13 +256,16 @@ class KVQCache(Cache):
 
         Refused (:class:`~kvq_core.errors.PlanError`, with the reason) when the plan was tuned for a
         model with another layer count or head shapes, or is of a newer format. ``options`` (e.g.
-        ``cache_decoded=False``) are passed to the constructor beside the plan's arguments.
+        ``cache_decoded=False``) are passed to the constructor beside the plan's arguments. The cache
+        encodes one token per step (``stride=1``) unless ``options`` name a stride, so it stores exactly
+        the plan's ``bits_per_element``: a larger stride also holds up to ``stride - 1`` tokens as codes
+        ahead of need, which the plan's budget does not count.
         """
         from kvq_core.plan import load_plan, check_model
 
         plan = load_plan(path)
         check_model(plan, config, where=f"plan {path}")
-        return cls(config, backend=backend, attention=attention, **{**plan["cache"], **options})
+        return cls(config, backend=backend, attention=attention, **{"stride": 1, **plan["cache"], **options})
 
     def __repr__(self) -> str:
         return f"KVQCache(method={self.method!r}, backend={self.backend!r}, params={self.method_params}, layers={len(self.layers)})"
