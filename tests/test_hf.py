@@ -410,6 +410,8 @@ def test_sliding_chunks_equal_token_by_token_decoding(model, method, params):
         layer = cache.layers[0]
         assert 35 <= layer.packed_length <= 35 + layer.stride - 1 and layer.window_length == 5
         assert layer.block_tokens == sorted(layer.block_tokens, reverse=True)  # joined as they come
+        if mode == "codes":  # tokens encoded ahead are decoded from their own blocks: no copy of the history
+            assert all(x.history_copy_bytes() == 0 for x in cache.kvq_layers), layer.stride
     _attn(model, "sdpa")
     decode = out["sdpa", "dequant", 40]
     assert torch.allclose(out["kvq", "dequant", 4], decode, atol=2e-4, rtol=1e-4)

@@ -123,13 +123,24 @@ def _blocks_before(layer: KVQLayer, base: int) -> tuple[int, Pair | None]:
     return whole, (k[:, :, :part], v[:, :, :part])
 
 
+def _packed_from(layer: KVQLayer, base: int) -> Pair:
+    """The packed tokens from ``base`` on, decoded: sliced from the decoded history where dequant mode
+    keeps one, else decoded from the blocks that hold them, so codes mode builds no history copy."""
+    lo = base - layer.evicted
+    if not layer.codes_mode:
+        hist = layer.decoded_history()
+        return hist[0][:, :, lo:], hist[1][:, :, lo:]  # type: ignore[index]
+    whole, part = blocks_before(layer.block_tokens, layer.evicted, base)
+    decoded = [layer.decode_block(i) for i in range(whole, len(layer.blocks))]
+    return torch.cat([k for k, _ in decoded], dim=-2)[:, :, part:], torch.cat([v for _, v in decoded], dim=-2)[:, :, part:]
+
+
 def _window_codes(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, base: int) -> Pair | None:
     """The window's packed tokens decoded (those encoded ahead by earlier steps, then this
     step's block), for a decode-view step: its queries read the older ones from codes."""
     parts = []
     if layer.packed_length > base:
-        hist = layer.decoded_history()
-        parts.append((hist[0][:, :, base - layer.evicted:], hist[1][:, :, base - layer.evicted:]))  # type: ignore[index]
+        parts.append(_packed_from(layer, base))
     if block is not None:
         parts.append(layer.decode_pair(block[0], block[1]))
     if not parts:
