@@ -1,4 +1,4 @@
-"""Every third-party import of kvq's own code is declared in pyproject.toml (issue #17).
+"""Every third-party import of kvq's own code is declared in pyproject.toml.
 
 A fresh ``pip install kvq-core`` (or ``kvq-core[extra]``) must not hit an undeclared import: one in a
 method module emptied every backend. The sources of ``kvq_core`` and ``backends/`` are parsed
@@ -198,7 +198,7 @@ def test_the_walk_sees_imports_in_functions_and_skips_optional_ones() -> None:
 
 
 def test_an_undeclared_import_is_reported(tmp_path, monkeypatch) -> None:
-    """The check is live: a core module importing scipy (the issue #17 bug), an hf module
+    """The check is live: a core module importing scipy (an undeclared dependency), an hf module
     importing triton inside a function, and a torch backend importing triton are reported."""
     core = tmp_path / "kvq_core"
     (core / "methods").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""README.md and docs/*.md are executed, so what they show cannot drift from what kvq does (issue #27).
+"""README.md and docs/*.md are executed, so what they show cannot drift from what kvq does.
 
 - Every line of README's command list (the block under "## Command line") runs through the
   ``kvq`` command line, with the ``--quick`` form or tiny sizes from :data:`TINY` added, writing

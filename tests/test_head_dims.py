@@ -1,4 +1,4 @@
-"""Head dims that are multiples of 16 but not powers of two (issue #16: Phi-3 has 96, GPT-NeoX
+"""Head dims that are multiples of 16 but not powers of two (Phi-3 has 96, GPT-NeoX
 /Pythia 80): every method builds a spec, quantizes with honest bits, and every built-in backend
 stays conformant with the NumPy reference there (block-diagonal Hadamard rotations, OCTOPUS's
 scalar-coded tail, channel groups that divide head_dim)."""

@@ -319,7 +319,7 @@ def test_memory_accounting(model):
 
 
 def test_a_decoded_copy_warns_once_with_why_and_the_fix(model):
-    """The memory saving silently lost in dequant mode (issue #27): one warning per cache, naming
+    """The memory saving silently lost in dequant mode: one warning per cache, naming
     the model's attention implementation and attn_implementation='kvq'; codes mode warns nothing."""
     from kvq_core.integrations.hf import KVQMemoryWarning
 

@@ -1,4 +1,4 @@
-"""The model matrix (issue #16): every popular decoder family through KVQCache.
+"""The model matrix: every popular decoder family through KVQCache.
 
 Per family (tests/tiny_models.py): the fp16 codec with float32 storage equals DynamicCache
 under greedy decoding of a left-padded batch and under beam search, with sdpa and with the
@@ -138,7 +138,7 @@ def test_sliding_layers_can_stay_exact_and_say_so(models):
 
 def test_a_residual_covering_the_sliding_window_warns_and_is_reported(models):
     """A sliding-window layer whose exact window covers every token it keeps stores no codes
-    (issue #27: OScaR/KIVI's residual 128 over Mistral's window): said once when the cache is
+    (e.g. OScaR/KIVI's residual 128 over Mistral's window): said once when the cache is
     built, with the fix, and listed in memory_report()['uncoded_layers']."""
     model = _model(models, "mistral", "kvq")
     ids, mask = _batch(n=10, batch=1)  # a prompt shorter than the residual: decoding alone fills the window

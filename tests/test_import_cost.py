@@ -2,7 +2,7 @@
 
 Each probe runs in a fresh interpreter (what a user's process looks like) and reports which of
 the heavy modules ended up in ``sys.modules``. The time itself is a benchmark figure
-(``python -X importtime -c "import kvq_core"``, README), not asserted here.
+(``python -X importtime -c "import kvq_core"``), not asserted here.
 """
 from __future__ import annotations
 

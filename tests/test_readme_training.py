@@ -1,4 +1,4 @@
-"""README "Training with kvq": its snippet runs as written and prints what its comments say."""
+"""README "Training": its snippet runs as written and prints what its comments say."""
 from __future__ import annotations
 
 import os

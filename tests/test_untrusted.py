@@ -1,4 +1,4 @@
-"""Untrusted and odd input (issue #25): a block from anywhere is validated once, in core, before any
+"""Untrusted and odd input: a block from anywhere is validated once, in core, before any
 kernel reads it; sizes a spec sets are bounded; the head_dim binding is thread safe; a KVQCache step
 is all or nothing."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Errors carry the fix (issue #27): misspelt names get a "did you mean", ``backend="cuda"`` is
+"""Errors carry the fix: misspelt names get a "did you mean", ``backend="cuda"`` is
 told that CUDA is a ``device=``, an unavailable backend names the backends that can serve the
 spec there, ``device="cuda"`` without CUDA is refused, a block whose KV heads disagree with the
 quantizer's (a transposed one above all) is an InputError naming the order, and
@@ -95,7 +95,7 @@ def test_packed_repr_is_one_short_line() -> None:
 
 def test_attend_over_blocks_encoded_transposed_says_so() -> None:
     """The first block binds kv_heads, so a transposed first block is only caught at attend: the
-    error there names the likely cause (issue #27: [1, 1000, 8, 128] coded as 1000 heads)."""
+    error there names the likely cause (e.g. [1, 1000, 8, 128] coded as 1000 heads)."""
     q = kvq_core.get_quantizer("oscar", backend="numpy")
     k = np.random.default_rng(1).standard_normal((1, 100, 8, 64)).astype(np.float32)
     pk, pv = q.encode_keys(k), q.encode_values(k)

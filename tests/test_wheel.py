@@ -1,4 +1,4 @@
-"""The built wheel works on its own (issue #27): built from a copy of this checkout, installed into a
+"""The built wheel works on its own: built from a copy of this checkout, installed into a
 fresh virtual environment (no system site-packages, no checkout on the path), ``kvq list`` and
 ``kvq demo`` run with every built-in, whose table then comes from the wheel's metadata.
 

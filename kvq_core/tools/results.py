@@ -2,7 +2,7 @@
 ``$KVQ_RESULTS``, else ``./kvq-results/`` in the working directory.
 
 Outside the package tree on purpose: a quick run in a checkout must never rewrite the measured
-results under ``bench/results/`` that README quotes; regenerating those takes ``--out bench/results``.
+results under ``bench/results/`` that the docs quote; regenerating those takes ``--out bench/results``.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ Search:
    only if lower; up to N rounds, stopping at the first that does not lower it. The plan is thus
    chosen by measured KL among the candidates, at one measured run per quantized slot per round.
 
-Limits (measured on SmolLM2-135M at 2048 tokens, issue 28): the prediction is far below the real
+Limits (measured on SmolLM2-135M at 2048 tokens): the prediction is far below the real
 KL. With ``--residuals 0 16 32 64`` the search chose W = 0 at a 2.5-bit budget, predicted 0.016
 nats/token and measured 0.94; single slots were measured 4-20 times above their prediction
 (``--check``). The gradients see only the exact *prefix* perturbed, while a decoding query also

@@ -1,10 +1,10 @@
-"""ONNX export of kvq's cache computations (issue #14); needs ``pip install 'kvq-core[onnx,torch]'``.
+"""ONNX export of kvq's cache computations; needs ``pip install 'kvq-core[onnx,torch]'``.
 
 - :func:`export` writes one of :data:`GRAPHS` for a quantizer's spec and layer;
 - ``kvq export onnx METHOD --graph GRAPH -o FILE`` does the same from the shell (:mod:`kvq_core.integrations.onnx.cli`).
 
 See :mod:`kvq_core.integrations.onnx.graphs` for what is traced, :mod:`kvq_core.integrations.onnx.translations` for the
-onnxscript translations (the unsigned-shift workaround), README "ONNX export" for usage. The
+onnxscript translations (the unsigned-shift workaround), docs/backends.md "ONNX export" for usage. The
 names below load on first use, so ``kvq export onnx`` can say which extra is missing.
 """
 from __future__ import annotations

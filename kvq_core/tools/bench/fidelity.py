@@ -125,7 +125,7 @@ def rotation_cost(rows: list[dict], head_dim: int = 96, reference: int = 128) ->
 
 
 def summary(rows: list[dict], head_dim: int = 128) -> str:
-    """A compact table for the README: key MSE per regime, sink-regime per-token error and attention error."""
+    """A compact table for docs/benchmarks.md: key MSE per regime, sink-regime per-token error and attention error."""
     out = ["| b | method | key bits | K+V bits | key MSE (a) | key MSE (b) | key MSE (c) | per-token key err (c) | worst-token key err (c) | attn err (c) |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["regime"], r["bits"], r["label"]): r for r in rows if r["head_dim"] == head_dim}

@@ -16,7 +16,7 @@ plans were not tuned on, e.g.::
 Several ``--ppl`` (``--niah``) files of the same windows (prompts) are joined, e.g. built-in codecs
 and plans evaluated in separate runs.
 
-The goal (issue 28): at most ``--goal-bits`` true bits with Δ PPL at most ``--goal-ppl`` %, KL at
+The goal: at most ``--goal-bits`` true bits with Δ PPL at most ``--goal-ppl`` %, KL at
 most ``--goal-kl`` nats per token and recall within ``--goal-recall`` of fp.
 """
 from __future__ import annotations

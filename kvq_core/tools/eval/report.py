@@ -2,7 +2,7 @@
 
 ``write_ppl_report`` / ``write_niah_report`` write ``<out>.md`` and ``<out>.png`` beside the
 JSON; both then refresh ``eval_summary.md`` in the same folder, which joins the PPL and NIAH
-results of each configuration into one table (the file the README links).
+results of each configuration into one table (the file docs/benchmarks.md and docs/eval.md link).
 """
 from __future__ import annotations
 
