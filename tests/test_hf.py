@@ -205,7 +205,7 @@ def test_length_bookkeeping_across_prefill_decode_and_flush(model):
 
 def test_rejected_flush_leaves_the_layer_unchanged(model):
     """A block that cannot be stored (float16 scales overflow) raises before any state changes."""
-    cache = KVQCache(model.config, "kivi", bits=2, group=4, residual=4)
+    cache = KVQCache(model.config, "kivi", bits=2, group=4, residual=4, attention="dequant")  # updates read by no attention
     layer = cache.layers[0]
     kv = torch.randn(1, model.config.num_key_value_heads, 6, layer.key_spec.head_dim)
     layer.update(kv, kv)
@@ -282,7 +282,8 @@ def test_crop_inside_a_block_only_for_per_token_layouts(model):
 
 def test_fp_layers_and_split_key_value_codecs(model):
     _attn(model, "sdpa")
-    cache = KVQCache(model.config, "oscar", bits=3, fp_layers=(-1,), value_params={"bits": 2}, residual=8)
+    cache = KVQCache(model.config, "oscar", bits=3, fp_layers=(-1,), value_params={"bits": 2}, residual=8,
+                     attention="dequant")
     assert type(cache.layers[1]) is transformers.cache_utils.DynamicLayer
     layer = cache.layers[0]
     assert layer.key_spec.bits == 3 and layer.value_spec.bits == 2 and not layer.same_spec
@@ -291,7 +292,7 @@ def test_fp_layers_and_split_key_value_codecs(model):
         model(_ids(1), **cache_kwargs(model, cache))  # attends over 32 packed + 2 exact tokens
     report = cache.memory_report()
     assert report["fp_layer_bytes"] == dynamic_cache_nbytes(cache) - layer.window_bytes()
-    assert 3.0 < report["stored_bits_per_element"] < 16.0 < report["bits_per_element"]  # + the decoded copy (sdpa)
+    assert 3.0 < report["stored_bits_per_element"] < 16.0 < report["bits_per_element"]  # + the decoded copy (dequant)
     keys_fp = KVQCache(model.config, "oscar", bits=2, fp_key_layers=(0,))
     assert keys_fp.layers[0].key_spec.method == "fp16" and keys_fp.layers[0].value_spec.method == "oscar"
 
@@ -300,7 +301,7 @@ def test_memory_accounting(model):
     _attn(model, "sdpa")
     ids = _ids(64, seed=2)
     ref = DynamicCache(config=model.config)
-    cache = KVQCache(model.config, "oscar", bits=2, residual=16)
+    cache = KVQCache(model.config, "oscar", bits=2, residual=16, attention="dequant")
     with torch.no_grad():
         model(ids, **cache_kwargs(model, ref))
         model(ids, **cache_kwargs(model, cache))
@@ -319,12 +320,12 @@ def test_memory_accounting(model):
 
 
 def test_a_decoded_copy_warns_once_with_why_and_the_fix(model):
-    """The memory saving silently lost in dequant mode: one warning per cache, naming
-    the model's attention implementation and attn_implementation='kvq'; codes mode warns nothing."""
+    """The memory saving lost in dequant mode is said: one warning per cache, naming why and the
+    fix; the default attention on an sdpa model attends from the codes and warns nothing."""
     from kvq_core.integrations.hf import KVQMemoryWarning
 
     _attn(model, "sdpa")
-    cache = KVQCache(model.config, "oscar", bits=2, residual=16)
+    cache = KVQCache(model.config, "oscar", bits=2, residual=16, attention="dequant")
     with pytest.warns(KVQMemoryWarning) as got:
         with torch.no_grad():
             model(_ids(40), **cache_kwargs(model, cache))
@@ -332,23 +333,19 @@ def test_a_decoded_copy_warns_once_with_why_and_the_fix(model):
                 model(_ids(1), **cache_kwargs(model, cache))
     assert len(got) == 1
     message = str(got[0].message)
-    assert "decoded float copy" in message and "'sdpa', not 'kvq'" in message
-    assert "attn_implementation='kvq'" in message and "cache_decoded=False" in message
-    _attn(model, "kvq")
-    cache = KVQCache(model.config, "oscar", bits=2, residual=16)
+    assert "decoded float copy" in message and "attention='dequant' was asked for" in message
+    assert "attention='auto'" in message and "cache_decoded=False" in message
+    assert model.config._attn_implementation == "sdpa"  # dequant leaves the model's attention alone
+    cache = KVQCache(model.config, "oscar", bits=2, residual=16)  # the default: the cache arranges attention from codes
+    assert model.config._attn_implementation == "kvq"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.no_grad():
             model(_ids(40), **cache_kwargs(model, cache))
             model(_ids(1), **cache_kwargs(model, cache))
     assert cache.memory_report()["total_bytes"] == cache.memory_report()["stored_bytes"]
+    assert cache.memory_report()["decoded_bytes"] == 0 and cache.memory_report()["packed_bytes"] > 0
     _attn(model, "sdpa")
-    cache = KVQCache(model.config, "oscar", bits=2, residual=16, cache_decoded=False)  # no copy: no warning
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with torch.no_grad():
-            model(_ids(40), **cache_kwargs(model, cache))
-            model(_ids(1), **cache_kwargs(model, cache))
 
 
 def test_head_dim_is_checked_against_the_method(models):
@@ -548,10 +545,23 @@ def test_codes_attention_generation_equals_dynamic_cache(model):
     assert out_fp.shape == (1, 34)
 
 
-def test_codes_mode_without_kvq_attention_is_caught(model):
-    _attn(model, "sdpa")
-    with pytest.raises(InputError, match=r"attention='codes' needs .* 'kvq'.*says 'sdpa'.*attn_implementation='kvq'"):
-        KVQCache(model.config, "oscar", bits=2, residual=8, attention="codes")  # caught when the cache is built
+def test_codes_mode_where_the_model_cannot_attend_from_codes_is_caught(model):
+    """attention='codes' switches an sdpa or eager model to kvq's function, and is refused, with the
+    reason, where the model cannot attend from codes (there 'auto' falls back to dequant); a model
+    switched away after the cache was built is caught at the next step."""
+    for impl in ("sdpa", "eager"):
+        _attn(model, impl)
+        KVQCache(model.config, "oscar", bits=2, residual=8, attention="codes")
+        assert model.config._attn_implementation == "kvq"
+    _attn(model, "eager")
+    model.config.output_attentions = True
+    try:
+        with pytest.raises(InputError, match=r"attention='codes' needs .*'kvq'.*output_attentions=True.*'dequant'"):
+            KVQCache(model.config, "oscar", bits=2, residual=8, attention="codes")  # caught when the cache is built
+        cache = KVQCache(model.config, "oscar", bits=2, residual=8)
+        assert model.config._attn_implementation == "eager" and not cache.kvq_layers[0].codes_mode
+    finally:
+        model.config.output_attentions = False
     _attn(model, "kvq")
     cache = KVQCache(model.config, "oscar", bits=2, residual=8, attention="codes")
     _attn(model, "sdpa")  # switched after the cache was built: caught at the next step

@@ -30,7 +30,7 @@ from transformers import DynamicCache  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 FAMILIES = list(configs())
-ATTN = ("sdpa", "kvq")
+ATTN = ("sdpa", "kvq")  # the model's own attention over decoded K/V (dequant), or attention from the codes
 PROMPT = 20  # > SLIDING_WINDOW, so sliding layers drop tokens
 NEW = 4
 
@@ -55,6 +55,12 @@ def _model(models, name, attn):
     m = models[name]
     m.set_attn_implementation(attn)
     return m
+
+
+def _mode(attn):
+    """The cache's attention for a model set to ``attn``: its own (sdpa) over decoded K/V, or kvq's from the
+    codes where the model allows it (MLA attends by decoding)."""
+    return "dequant" if attn == "sdpa" else "auto"
 
 
 def _batch(n=PROMPT, batch=2, pad=5, seed=0):
@@ -90,12 +96,13 @@ def test_fp16_equals_dynamic_cache(models, family, attn):
     model = _model(models, family, attn)
     ids, mask = _batch()
     ref = _gen(model, ids, mask, DynamicCache(config=model.config))
-    cache = KVQCache(model.config, "fp16", storage="float32", residual=4)
+    cache = KVQCache(model.config, "fp16", storage="float32", residual=4, attention=_mode(attn))
     assert torch.equal(_gen(model, ids, mask, cache), ref)
     assert cache.memory_report()["packed_bytes"] > 0 and not cache.exact_layers
     ids, mask = _batch(batch=1, seed=1)
     ref = _gen(model, ids, mask, DynamicCache(config=model.config), num_beams=2)
-    out = _gen(model, ids, mask, KVQCache(model.config, "fp16", storage="float32", residual=4), num_beams=2)
+    out = _gen(model, ids, mask, KVQCache(model.config, "fp16", storage="float32", residual=4, attention=_mode(attn)),
+               num_beams=2)
     assert torch.equal(out, ref)
 
 
@@ -106,7 +113,7 @@ def test_every_codec_quantizes_every_layer(models, family, attn):
     ids, mask = _batch(batch=1)
     n_layers = model.config.num_hidden_layers
     for method in [r.name for r in kvq_core.list_methods() if r.available and r.name != "fp16"]:
-        cache = KVQCache(model.config, method, residual=2)
+        cache = KVQCache(model.config, method, residual=2, attention=_mode(attn))
         out = _gen(model, ids, mask, cache)
         assert out.shape == (1, PROMPT + NEW), method
         layers = cache.kvq_layers
@@ -220,4 +227,6 @@ def test_readme_transformers_snippet_runs():
     skip_unless_cache_keyword(snippet)
     scope: dict = {}
     exec(compile(snippet, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
-    assert scope["cache"].memory_report()["packed_bytes"] > 0
+    report = scope["cache"].memory_report()  # the obvious call saves the memory: nothing decoded is kept
+    assert report["packed_bytes"] > 0 and report["decoded_bytes"] == 0
+    assert report["total_bytes"] < report["dynamic_cache_bytes"] / 2

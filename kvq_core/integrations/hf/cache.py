@@ -50,17 +50,44 @@ QUANTIZED_TYPES = ("full_attention", "sliding_attention")
 SLIDING_MODES = ("quantize", "exact")
 
 
-def _check_codes_attention(attention: str, config: Any) -> None:
-    """``attention="codes"`` needs the "kvq" attention function to read the codes; a model set to
-    another one (eager, sdpa, ...) would attend over the exact window only, so say so now."""
+#: attention implementations a cache may switch to "kvq": both compute plain softmax attention, and the
+#: "kvq" function hands every step without packed blocks (the prefill) to sdpa.
+SWITCHABLE_ATTENTION = (None, "sdpa", "eager")
+
+
+def codes_blocker(config: Any) -> str | None:
+    """Why a model cannot attend from the codes whatever its attention implementation (the "kvq"
+    function computes plain softmax attention), or None."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return f"its attention soft-caps logits (attn_logit_softcapping={config.attn_logit_softcapping})"
+    if getattr(config, "model_type", None) in SINK_MODELS:
+        return f"its attention ({config.model_type}) has learned sinks"
+    if getattr(config, "output_attentions", False):
+        return "output_attentions=True asks for attention weights"
+    return None
+
+
+#: model types whose attention adds learned sink logits (the "kvq" function refuses them)
+SINK_MODELS = ("gpt_oss",)
+
+
+def arrange_attention(attention: str, config: Any) -> None:
+    """Make the model attend from the codes where ``attention`` asks for it: "auto" and "codes" switch
+    a config whose attention implementation is sdpa, eager or unset to "kvq" (the model's attention
+    modules read it at every call, so the cache saves its memory with no ``attn_implementation``
+    at load time). "auto" leaves any other model in dequant mode; "codes" refuses it."""
+    if attention == "dequant":
+        return
     impl = getattr(config, "_attn_implementation", None)
-    if attention == "codes" and isinstance(impl, str) and impl != "kvq":
+    blocker = codes_blocker(config)
+    if impl in SWITCHABLE_ATTENTION and blocker is None:
+        config._attn_implementation = "kvq"
+    elif attention == "codes" and impl != "kvq":
+        why = blocker or f"its attention implementation is {impl!r}"
         raise InputError(
-            f"attention='codes' needs the model's attention implementation to be 'kvq' (the function that attends "
-            f"from the codes); this model's config says {impl!r}, whose attention would see only the exact window. "
-            "Load the model with attn_implementation='kvq' (or call model.set_attn_implementation('kvq')) before "
-            "building the cache, or pass attention='auto' (codes exactly when the model attends with 'kvq') or "
-            "attention='dequant'"
+            f"attention='codes' needs the model to attend with kvq's 'kvq' function (the one that reads the codes), "
+            f"but this model cannot switch to it: {why}. Pass attention='auto' or attention='dequant' (a decoded "
+            "copy of the history, about as large as a DynamicCache)"
         )
 
 
@@ -145,8 +172,11 @@ class KVQCache(Cache):
             keys and values (values) then use that codec with those parameters only
             (:func:`kvq_core.plan.layer_codecs`), e.g. ``value_layer_params={3: {"method":
             "octopus", "bits": 2}}``.
-        attention: "auto" (codes when the config's attention implementation is "kvq"),
-            "dequant" or "codes".
+        attention: "auto" (default): attend from the codes, switching the model's attention
+            implementation to "kvq" when it is sdpa, eager or unset (:func:`arrange_attention`); a model
+            that cannot attend from codes (soft-capped logits, sinks, another attention kernel) runs in
+            dequant mode. "codes": the same, refused where impossible. "dequant": the model's own attention
+            over a decoded float copy of the history, about as large as a ``DynamicCache`` (opt-in).
         cache_decoded: keep decoded history per layer in dequant mode (exact, faster, not smaller).
         **method_params: the method's spec parameters (e.g. ``bits=2``); ``head_dim`` comes from
             the config.
@@ -188,7 +218,7 @@ class KVQCache(Cache):
                 "model expands the cached latent into K/V after the cache; use attention='dequant' or 'auto'"
             )
         if mla is None:
-            _check_codes_attention(attention, text_config)
+            arrange_attention(attention, text_config)
         head_dim, value_dim = mla if mla is not None else (_head_dim(text_config),) * 2
         layer_types, layer_kwargs = _layer_types_and_kwargs(text_config)
         n = len(layer_types)
@@ -300,10 +330,12 @@ class KVQCache(Cache):
             return
         self._warned_copy = True
         if not layer.codes_mode:
+            blocker = codes_blocker(self.config)
             why = ("attention='dequant' was asked for" if layer.attention == "dequant" else
-                   f"the model attends with {getattr(self.config, '_attn_implementation', None)!r}, not 'kvq'")
-            fix = ("Load the model with attn_implementation='kvq' (or call model.set_attn_implementation('kvq')) so the "
-                   "cache attends from the codes, or pass cache_decoded=False to decode every step instead (slower, "
+                   f"the model attends with {getattr(self.config, '_attn_implementation', None)!r}, not 'kvq'"
+                   + (f" ({blocker})" if blocker else ""))
+            fix = ("Build the cache with the default attention='auto' on a model that attends with sdpa or eager (it "
+                   "then attends from the codes), or pass cache_decoded=False to decode every step instead (slower, "
                    "no copy); cache.drop_decoded() frees it now")
             what = "hands the model decoded K/V (dequant mode)"
         else:

@@ -121,12 +121,12 @@ def answer_ok(text: str, answer: str) -> bool:
 
 
 def run_cell(model: Any, tok: Any, prefix: list[int], question: list[int], cfg: Any, shared: Any, backend: str,
-             answer_tokens: int) -> tuple[str, float]:
-    """Greedy answer of one configuration; returns (answer text, seconds)."""
+             answer_tokens: int, attention: str = "dequant") -> tuple[str, float]:
+    """Greedy answer of one configuration (``attention``: a kvq cache's mode); returns (answer text, seconds)."""
     from kvq_core.integrations.hf.cache_arg import cache_kwargs
     import torch
 
-    cache = build_cache(cfg, model.config, backend)
+    cache = build_cache(cfg, model.config, backend, attention=attention)
     t0 = time.perf_counter()
     with torch.no_grad():
         if shared is not None:
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                 model(torch.tensor([prefix]), **cache_kwargs(model, shared), use_cache=True)
         for c in todo:
             bar.set_postfix_str(f"{task} {context} d={depth}: {c.label}")
-            reply, secs = run_cell(model, tok, prefix, question, c, shared, args.backend, args.answer_tokens)
+            reply, secs = run_cell(model, tok, prefix, question, c, shared, args.backend, args.answer_tokens,
+                                   "codes" if args.attn == "kvq" else "dequant")
             data["runs"].append({"label": c.label, "task": task, "context": context, "depth": depth, "trial": trial,
                                  "answer": answer, "reply": reply, "correct": answer_ok(reply, answer),
                                  "seconds": round(secs, 2)})
