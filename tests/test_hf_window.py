@@ -3,6 +3,8 @@ fp16 codec, the K/V and mask sizes a KVQLayer hands the model equal transformers
 DynamicSlidingWindowLayer step for step, for both flush policies and any residual."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from kvq_core.integrations.hf.window import Eviction, plan_eviction, view_start
@@ -60,3 +62,43 @@ def test_fp16_layer_matches_dynamic_sliding_window_layer(flush, residual, window
         assert stored == min(ours.cumulative_length, window - 1)  # per-token codec: exactly the window
         assert ours.packed_length - ours.evicted == sum(ours.block_tokens)
         assert ours.packed_bytes == sum(pk.nbytes() + pv.nbytes() for pk, pv in ours.blocks)  # kept by difference
+
+
+@pytest.mark.parametrize("backend", ["numpy", "auto"])
+@pytest.mark.parametrize("method", ["oscar", "kivi"])
+def test_a_hybrid_model_reads_sliding_layers_from_codes_with_at_most_one_decoded_group(method, backend):
+    """A Gemma-3-style model (5 sliding layers to 1 global, head_dim 64, 1 KV head) under the default
+    attention: where a window edge falls inside a token group, that group alone is decoded (its
+    hidden tokens left out) and the rest is read from codes, so no layer ever holds more than one
+    decoded group, and every step's logits equal dequant mode's (decoded history, model's own sdpa)."""
+    import transformers as tf
+
+    from kvq_core.integrations.hf import KVQCache, cache_kwargs
+
+    window, group = 40, 32
+    config = tf.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+        sliding_window=window, layer_types=["sliding_attention"] * 5 + ["full_attention"], num_hidden_layers=6,
+        vocab_size=128, pad_token_id=0, max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(1))
+    group_bytes = 1 * 1 * group * (64 + 64) * 4  # batch x kv heads x group tokens x (K + V dims) x float32
+    logits = {}
+    for attention in ("dequant", "auto"):
+        model.config._attn_implementation = "sdpa"
+        cache = KVQCache(model.config, method, backend=backend, bits=2, residual=8, attention=attention)
+        steps, peak = [], 0
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model(ids, **cache_kwargs(model, cache))
+            for _ in range(48):  # the window edge crosses two group boundaries
+                steps.append(out.logits[:, -1])
+                out = model(steps[-1].argmax(-1, keepdim=True), **cache_kwargs(model, cache))
+                peak = max(peak, *(layer.decoded_bytes() for layer in cache.kvq_layers[:5]))
+        logits[attention] = torch.stack(steps)
+        if attention == "auto":
+            assert model.config._attn_implementation == "kvq" and all(layer.codes_mode for layer in cache.kvq_layers)
+            assert 0 < peak <= group_bytes, peak  # an edge group was decoded, never more than one per layer
+            assert cache.kvq_layers[5].decoded_bytes() == 0
+    torch.testing.assert_close(logits["auto"], logits["dequant"], rtol=1e-4, atol=1e-4)

@@ -134,7 +134,9 @@ def attend_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ct
         if vis.shape[-1] != n_packed + w:
             raise KVQError(f"kvq attention: mask covers {vis.shape[-1]} keys; the cache holds {n_packed} packed + {w} in K/V")
         vis = vis[..., -lq:, :] if vis.shape[-2] != lq else vis
-        vis_w, vis_p = vis[..., n_packed:], vis[..., :n_packed]
+        lead = ctx.leading  # decoded K/V tokens that come before the blocks in position (a sliding window's edge)
+        vis_p = vis[..., lead:lead + n_packed]
+        vis_w = vis[..., n_packed:] if not lead else torch.cat([vis[..., :lead], vis[..., lead + n_packed:]], dim=-1)
     if (ctx.blocks and ctx.flushed is None and layer.same_spec and layer.kq.fuses_window(query)
             and _plain_causal(vis_w, vis_p, lq)):
         # decoded history here is the part of a block a sliding stride encoded ahead that lies before the window

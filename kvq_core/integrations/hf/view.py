@@ -11,11 +11,12 @@ Two ways to attend:
   :class:`CodesContext`); the ``"kvq"`` attention function (:mod:`kvq_core.integrations.hf.attention`) scores
   the blocks from their codes with ``Quantizer.attend`` and merges them with the window by
   log-sum-exp. Nothing is materialised. ``"auto"`` picks codes exactly when the model config's
-  attention implementation is ``"kvq"``.
+  attention implementation is ``"kvq"`` (which :class:`~kvq_core.integrations.hf.cache.KVQCache` arranges).
 
-A sliding-window layer whose window starts inside a token-group block, or inside the exact
-window, hands its visible tokens over decoded (also in codes mode), so the K/V match the mask
-transformers builds. A sliding-flush step with ``chunks="decode"`` also carries the window's
+A sliding-window layer whose window starts inside a token group reads the blocks after that group
+from codes and the group's visible tokens decoded (:func:`edge_view`: one group per layer); in
+dequant mode, or where the window starts inside the exact window, it hands its visible tokens over
+decoded, so the K/V match the mask transformers builds. A sliding-flush step with ``chunks="decode"`` also carries the window's
 packed tokens decoded (``flushed``), for queries ``residual`` or more tokens after them
 (:mod:`kvq_core.integrations.hf.flush`).
 """
@@ -27,7 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvq_core.integrations.hf.flush import blocks_before
+from kvq_core.integrations.hf.window import plan_eviction
 from kvq_core.packed import PackedKV
+from kvq_core.tokens import slice_tokens
 
 if TYPE_CHECKING:
     from kvq_core.integrations.hf.layer import KVQLayer
@@ -43,6 +46,8 @@ class CodesContext:
     ``history``: leading K/V tokens that are decoded history (dequant mode). ``flushed``: this
     step's sliding view: the window's first tokens decoded from their codes, for queries
     ``residual`` or more tokens after them (see :mod:`kvq_core.integrations.hf.flush`).
+    ``leading``: how many of the ``history`` tokens lie before the packed blocks in position (a sliding
+    window's edge group, :func:`edge_view`); the others lie after them.
     """
 
     layer: KVQLayer
@@ -50,6 +55,7 @@ class CodesContext:
     packed_length: int
     history: int = 0
     flushed: Pair | None = None
+    leading: int = 0
 
 
 def attach_context(keys: torch.Tensor, ctx: CodesContext) -> None:
@@ -73,7 +79,16 @@ def step_view(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, bas
     decode_view = (layer.flush == "sliding" and layer.chunks == "decode" and layer.keys.shape[-2] > max(layer.residual, 1)
                    and base >= first)
     flushed = _window_codes(layer, block, base) if decode_view else None
-    if first > layer.evicted or base < first:
+    if layer.codes_mode and layer.evicted < first <= base and flushed is None:
+        # a sliding window starts inside a token group: the group's visible tokens decoded, the rest from codes
+        blocks, edge = edge_view(layer, first)
+        keys, values = layer.keys.view_as(layer.keys), layer.values.view_as(layer.values)
+        h = 0 if edge is None else edge[0].shape[-2]
+        if edge is not None:
+            keys, values = torch.cat([edge[0], keys], dim=-2), torch.cat([edge[1], values], dim=-2)
+        attach_context(keys, CodesContext(layer, blocks, base - first - h, history=h, leading=h))
+        layer.mark_pending()
+    elif first > layer.evicted or base < first:
         # a sliding window starts inside a token-group block or inside the exact window: hand
         # the visible tokens over decoded, so K/V match the mask transformers builds
         keys, values = _visible(layer, base, first)
@@ -97,6 +112,42 @@ def step_view(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, bas
             keys = keys.view_as(keys)
             attach_context(keys, CodesContext(layer, (), 0, history=base - first, flushed=flushed))
     return keys, values
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """The stored block a sliding window's edge falls in (kept by identity), from the whole groups
+    eviction keeps (``cut``): its first group decoded and the rest of it from codes."""
+
+    block: tuple[PackedKV, PackedKV]
+    cut: int
+    decoded: Pair
+    rest: tuple[tuple[PackedKV, PackedKV], ...]  # the block after its first group (empty or one block)
+
+
+def edge_view(layer: KVQLayer, first: int) -> tuple[tuple[tuple[PackedKV, PackedKV], ...], Pair | None]:
+    """The blocks a query seeing tokens from ``first`` on reads from codes, and the visible tokens of
+    the token group holding ``first`` decoded (None when ``first`` starts a group). Whole groups
+    before ``first`` are left out, as eviction will drop them; the group the edge falls in is decoded
+    once and kept (``KVQLayer._edge``) until its block changes, so a layer holds at most one decoded
+    group, never a copy of its history."""
+    plan = plan_eviction(layer.block_tokens, layer.evicted, first, layer._granule)
+    later = tuple(layer.blocks[plan.drop_blocks + 1:])
+    if first == plan.evicted or plan.drop_blocks == len(layer.blocks):
+        head = layer.blocks[plan.drop_blocks:plan.drop_blocks + 1]
+        if head and plan.cut:
+            tokens = layer.block_tokens[plan.drop_blocks]
+            head = [(slice_tokens(head[0][0], plan.cut, tokens), slice_tokens(head[0][1], plan.cut, tokens))]
+        return (*head, *later), None
+    block, edge = layer.blocks[plan.drop_blocks], layer._edge
+    if edge is None or edge.block[0] is not block[0] or edge.block[1] is not block[1] or edge.cut != plan.cut:
+        tokens = layer.block_tokens[plan.drop_blocks]
+        group = min(plan.cut + layer._granule, tokens)
+        decoded = layer.decode_pair(slice_tokens(block[0], plan.cut, group), slice_tokens(block[1], plan.cut, group))
+        rest = () if group == tokens else ((slice_tokens(block[0], group, tokens), slice_tokens(block[1], group, tokens)),)
+        edge = layer._edge = Edge(block, plan.cut, decoded, rest)
+    skip = first - plan.evicted
+    return (*edge.rest, *later), (edge.decoded[0][:, :, skip:], edge.decoded[1][:, :, skip:])
 
 
 def _visible(layer: KVQLayer, base: int, first: int) -> Pair:
