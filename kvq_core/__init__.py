@@ -25,11 +25,18 @@ from kvq_core.window_plan import WindowPlan
 
 moved.install()
 
-__version__ = "0.1.0"
-
 __all__ = [
     "BackendUnavailableError", "InputError", "KVQError", "LayoutError", "MethodSpec", "PackedKV",
     "PluginError", "Quantizer", "SpecError", "UnknownBackendError", "UnknownMethodError", "WindowPlan",
     "bits_per_element", "get_quantizer", "list_backends", "list_methods", "list_plugins",
     "make_spec", "spec_from_dict", "__version__",
 ]
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``: the kvq being imported (:func:`kvq_core.registry.version`), read on first use."""
+    if name == "__version__":
+        from kvq_core.registry import version
+
+        return version()
+    raise AttributeError(f"module 'kvq_core' has no attribute {name!r}")
