@@ -15,7 +15,10 @@ from kvq_core.packed import PackedKV, bits_per_element
 from kvq_core.spec import MethodSpec
 from kvq_core.window_plan import WindowPlan
 from kvq_core.validate import (
+    KV_DIMS,
+    QUERY_DIMS,
     check_attention_finite,
+    check_float_array,
     check_kv,
     check_layer,
     check_packed,
@@ -207,8 +210,7 @@ class Quantizer:
         shape = getattr(x, "shape", None)
         state = self._state(shape[3] if shape is not None and len(shape) == 4 else None)
         encode = state.kernels.encode_keys if kind == "keys" else state.kernels.encode_values
-        xa = self.arrays.asarray(x) if shape is not None else x  # converted once: checks and kernel read it
-        shape = check_kv(x, state.spec, self.arrays, kind, data=xa)
+        shape, xa = check_kv(x, state.spec, self.arrays, kind)  # converted once: checks and kernel read it
         heads = self._heads(shape, kind)
         self._device_ok(state, x)
         fields = encode(xa, self._ctx(state, shape, layer))
@@ -272,12 +274,12 @@ class Quantizer:
             raise InputError(f"kind={kind!r}; expected 'keys' or 'values'")
         shape = getattr(x, "shape", None)
         state = self._state(shape[3] if shape is not None and len(shape) == 4 else None)
-        shape = check_kv(x, state.spec, self.arrays, kind)
+        shape, xa = check_kv(x, state.spec, self.arrays, kind)
         self._device_ok(state, x)
         ctx = self._ctx(state, shape, self.layer)
         fused = getattr(state.kernels, "fake_quant", None)
         if fused is not None:
-            out = fused(kind, self.arrays.asarray(x), ctx)
+            out = fused(kind, xa, ctx)
         elif getattr(x, "requires_grad", False):
             raise BackendUnavailableError(
                 f"backend {self.backend!r} has no differentiable fake_quant ({kind} require grad); use a torch-tensor "
@@ -285,7 +287,7 @@ class Quantizer:
         else:
             encode = state.kernels.encode_keys if kind == "keys" else state.kernels.encode_values
             decode = state.kernels.decode_keys if kind == "keys" else state.kernels.decode_values
-            out = self.arrays.cast(decode(encode(self.arrays.asarray(x), ctx), ctx), dtype_name(x))
+            out = self.arrays.cast(decode(encode(xa, ctx), ctx), dtype_name(x))
         if not self.arrays.all_finite(out):
             raise InputError(f"{kind}: {state.spec.method}'s stored fields overflow for this input (float16 holds up to "
                              "65504), so it decodes to non-finite values; scale the input down, or use the method's "
@@ -307,7 +309,7 @@ class Quantizer:
         state, pk, layer = self._packed(pk, "keys", layer)
         _, pv, _ = self._packed(pv, "values", layer)
         try:
-            check_query(q, pk, pv, self.arrays)
+            _, qa = check_query(q, pk, pv, self.arrays)
         except InputError as exc:
             raise InputError(f"{exc}{_transposed_hint(q, pk)}") from None
         self._device_ok(state, q)
@@ -315,7 +317,7 @@ class Quantizer:
         asarray = self.arrays.asarray
         kf = {k: asarray(v) for k, v in pk.fields.items()}
         vf = {k: asarray(v) for k, v in pv.fields.items()}
-        out, lse = state.kernels.attend(asarray(q), kf, vf, self._ctx(state, pk.shape, layer), scale)
+        out, lse = state.kernels.attend(qa, kf, vf, self._ctx(state, pk.shape, layer), scale)
         check_attention_finite(lse, self.arrays, scale)
         out = self.arrays.cast(out, dtype_name(q))
         self._keep(state)
@@ -372,10 +374,14 @@ class Quantizer:
             plan = self.plan_window(blocks if plan is None else plan.pairs, layer=layer)
         state, shape = plan.state, plan.shape
         asarray = self.arrays.asarray
-        qa = asarray(q)  # once: the checks and the kernel read the backend's array
-        if shape is not None:
+        check_float_array(window_k, "window keys", KV_DIMS)
+        check_float_array(window_v, "window values", KV_DIMS)
+        if shape is None:
+            check_float_array(q, "query", QUERY_DIMS)
+            qa = asarray(q)
+        else:
             try:
-                check_query_for(qa, shape, self.arrays)
+                _, qa = check_query_for(q, shape, self.arrays)  # converted once: checks and kernel read it
             except InputError as exc:
                 raise InputError(f"{exc}{_transposed_hint(q, plan.pairs[0][0])}") from None
         qs, ks, vs = getattr(q, "shape", ()), getattr(window_k, "shape", ()), getattr(window_v, "shape", ())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import os
 import re
@@ -219,6 +220,21 @@ def extras() -> tuple[str, ...]:
         return tuple(importlib.metadata.metadata(KVQ_DIST).get_all("Provides-Extra") or ())
     except importlib.metadata.PackageNotFoundError:
         return ()
+
+
+@functools.cache
+def version() -> str:
+    """kvq's version: the ``pyproject.toml`` of the source checkout ``kvq_core`` sits in (an editable
+    install's metadata may predate it), else the installed distribution's metadata, else ``0+unknown``."""
+    found = _checkout_project()
+    if found is not None and "version" in found[0]:
+        return str(found[0]["version"])
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(KVQ_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def builtin_plugins() -> tuple[tuple[tuple[str, str], ...], str]:

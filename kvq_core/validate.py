@@ -34,27 +34,39 @@ def dtype_name(x: Any) -> str:
     return type(x).__name__ if dtype is None else _dtype_name(dtype)  # cached: str() of a dtype costs ~5 us
 
 
-def check_kv(x: Any, spec: MethodSpec, arrays: ArrayAdapter, what: str = "keys", data: Any = None) -> tuple[int, int, int, int]:
-    """Check a K/V array ``[batch, kv_heads, tokens, head_dim]``; return its shape. ``data``: ``x``
-    already converted by ``arrays.asarray`` (its values are tested for finiteness without converting again)."""
-    shape = getattr(x, "shape", None)
-    if shape is None:
-        raise InputError(f"{what}: got {type(x).__name__}; expected an array [batch, kv_heads, tokens, head_dim]")
-    shape = _dims(shape)
+#: The dimension order of K/V arrays and of queries, as errors name it.
+KV_DIMS = "[batch, kv_heads, tokens, head_dim]"
+QUERY_DIMS = "[batch, q_heads, q_len, head_dim]"
+
+
+def check_float_array(x: Any, what: str, dims: str) -> None:
+    """Reject, before any backend converts it, what is not an array of a float dtype: a list (ragged
+    or not), or an array of dtype object, str, bytes, bool or int, named in the error."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or getattr(x, "shape", None) is None:
+        raise InputError(f"{what}: got {type(x).__name__}; expected a float array {dims}")
+    name = _dtype_name(dtype)
+    if name not in _FLOAT_NAMES:
+        raise InputError(f"{what}: dtype {name} is not supported; expected one of {', '.join(_FLOAT_NAMES)}")
+
+
+def check_kv(x: Any, spec: MethodSpec, arrays: ArrayAdapter, what: str = "keys") -> tuple[tuple[int, int, int, int], Any]:
+    """Check a K/V array ``[batch, kv_heads, tokens, head_dim]`` and convert it once (``arrays.asarray``);
+    return its shape and the converted array (the finiteness test and the kernel read it)."""
+    check_float_array(x, what, KV_DIMS)
+    shape = _dims(x.shape)
     if len(shape) != 4:
-        raise InputError(f"{what}: got rank {len(shape)} shape {list(shape)}; expected rank 4 [batch, kv_heads, tokens, head_dim]")
+        raise InputError(f"{what}: got rank {len(shape)} shape {list(shape)}; expected rank 4 {KV_DIMS}")
     if min(shape) < 1:
         raise InputError(f"{what}: got empty shape {list(shape)}; every dimension must be >= 1")
     if shape[3] != spec.head_dim:
         raise InputError(f"{what}: head_dim {shape[3]} does not match the spec's head_dim={spec.head_dim}")
-    _check_float_finite(x, arrays, what, x if data is None else data)
-    return shape  # type: ignore[return-value]
+    data = arrays.asarray(x)
+    _check_finite(data, arrays, what)
+    return shape, data  # type: ignore[return-value]
 
 
-def _check_float_finite(x: Any, arrays: ArrayAdapter, what: str, data: Any) -> None:
-    name = dtype_name(x)
-    if name not in _FLOAT_NAMES:
-        raise InputError(f"{what}: dtype {name} is not supported; expected one of {', '.join(_FLOAT_NAMES)}")
+def _check_finite(data: Any, arrays: ArrayAdapter, what: str) -> None:
     if not arrays.all_finite(data):
         raise InputError(f"{what}: contains NaN or Inf; kvq rejects non-finite input rather than store garbage codes")
 
@@ -187,19 +199,21 @@ def check_attention_finite(lse: Any, arrays: ArrayAdapter, scale: float) -> None
                          "finite); use a smaller scale (the default is 1/sqrt(head_dim)) or smaller queries")
 
 
-def check_query(q: Any, pk: PackedKV, pv: PackedKV, arrays: ArrayAdapter) -> tuple[int, int, int, int]:
-    """Check a query ``[batch, q_heads, q_len, head_dim]`` against packed keys and values."""
+def check_query(q: Any, pk: PackedKV, pv: PackedKV, arrays: ArrayAdapter) -> tuple[tuple[int, int, int, int], Any]:
+    """Check a query ``[batch, q_heads, q_len, head_dim]`` against packed keys and values (:func:`check_query_for`)."""
     if pv.shape != pk.shape:
         raise InputError(f"packed values shape {list(pv.shape)} differs from packed keys shape {list(pk.shape)}")
     return check_query_for(q, pk.shape, arrays)
 
 
-def check_query_for(q: Any, blocks_shape: tuple[int, int, int, int], arrays: ArrayAdapter) -> tuple[int, int, int, int]:
+def check_query_for(q: Any, blocks_shape: tuple[int, int, int, int], arrays: ArrayAdapter) -> tuple[tuple[int, int, int, int], Any]:
     """Check a query ``[batch, q_heads, q_len, head_dim]`` against blocks of shape ``[batch, kv_heads, tokens,
-    head_dim]`` (the batch, head_dim and GQA rule), and that it is finite float; return its shape."""
-    shape = getattr(q, "shape", None)
-    if shape is None or len(shape) != 4:
-        raise InputError(f"query: got shape {None if shape is None else list(shape)}; expected rank 4 [batch, q_heads, q_len, head_dim]")
+    head_dim]`` (the batch, head_dim and GQA rule), and that it is finite float; convert it once
+    (``arrays.asarray``) and return its shape and the converted array."""
+    check_float_array(q, "query", QUERY_DIMS)
+    shape = q.shape
+    if len(shape) != 4:
+        raise InputError(f"query: got shape {list(shape)}; expected rank 4 {QUERY_DIMS}")
     if type(q) is not np.ndarray:  # a NumPy shape is a tuple of ints already
         shape = _dims(shape)
     if min(shape) < 1:
@@ -211,5 +225,6 @@ def check_query_for(q: Any, blocks_shape: tuple[int, int, int, int], arrays: Arr
         raise InputError(f"query head_dim {shape[3]} does not match the cache head_dim {d}")
     if shape[1] % hk:
         raise InputError(f"query heads {shape[1]} is not a multiple of kv_heads {hk} (GQA needs q_heads = g * kv_heads)")
-    _check_float_finite(q, arrays, "query", q)
-    return shape  # type: ignore[return-value]
+    data = arrays.asarray(q)
+    _check_finite(data, arrays, "query")
+    return shape, data  # type: ignore[return-value]

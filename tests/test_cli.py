@@ -1,13 +1,26 @@
-"""The kvq command line: list, info, demo and the fidelity benchmark."""
+"""The kvq command line: --version, list, info, demo and the fidelity benchmark."""
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
 
 import kvq_core
 from kvq_core.tools.cli import main
+
+
+def test_version_names_the_distribution_and_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"kvq-core {declared['version']}\n"
+    assert kvq_core.__version__ == declared["version"]
+    from kvq_core import __version__
+
+    assert __version__ == kvq_core.__version__
 
 
 def test_list_names_every_method_and_backend(capsys: pytest.CaptureFixture[str]) -> None:

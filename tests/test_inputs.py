@@ -1,9 +1,12 @@
 """Bad input gets a typed error at the API boundary, naming the value and what was expected.
 
-Parametrised over every registered method on the NumPy reference. Decision: NaN/Inf input is
+Parametrised over every registered method on the NumPy reference, and over the host backends for
+input of a wrong dtype (object, str, bool, a ragged list). Decision: NaN/Inf input is
 rejected (InputError) rather than encoded, since no codec can store it meaningfully.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -138,3 +141,55 @@ def test_attend_output_shapes_and_gqa(q) -> None:
     out, lse = q.attend(_kv((2, 6, 3, 64), seed=1), pk, pv, return_lse=True)
     assert out.shape == (2, 6, 3, 64) and lse.shape == (2, 6, 3)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
+# Bad input on every host backend: an array of the wrong dtype, or a ragged list, is named before any
+# backend converts it (torch.as_tensor of an object array raised its own TypeError).
+BACKENDS = [b.name for b in kvq_core.list_backends() if b.available and b.name in ("numpy", "torch", "numba")]
+_BAD = np.random.default_rng(2).standard_normal((1, 2, 8, 64))
+BAD_INPUTS = {
+    "object": (_BAD.astype(object), "dtype object"),
+    "str": (_BAD.astype(str), "dtype <U"),
+    "bytes": (_BAD.astype(bytes), "dtype |S"),
+    "ragged-object": (np.array([np.ones((4, 64)), np.ones((3, 64))], dtype=object)[None], "dtype object"),
+    "ragged-list": ([[np.ones((4, 64)).tolist(), np.ones((3, 64)).tolist()]], "got list"),
+    "bool": (_BAD > 0, "dtype bool"),
+}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def typed(request):
+    """An OScaR quantizer on a host backend, and a packed key/value pair in its arrays."""
+    quant = kvq_core.get_quantizer("oscar", backend=request.param, head_dim=64)
+    good = quant.arrays.asarray(_kv((1, 2, 8, 64)))
+    return quant, good, quant.encode_keys(good), quant.encode_values(good)
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_kv_is_an_input_error_naming_its_dtype(typed, bad: str) -> None:
+    quant, _, _, _ = typed
+    x, named = BAD_INPUTS[bad]
+    for kind, call in (("keys", quant.encode_keys), ("values", quant.encode_values),
+                       ("keys", lambda a: quant.fake_quant(a, "keys"))):
+        with pytest.raises(InputError, match=rf"^{kind}: .*{re.escape(named)}"):
+            call(x)
+
+
+@pytest.mark.parametrize("bad", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_query_or_window_is_an_input_error_naming_its_dtype(typed, bad: str) -> None:
+    quant, good, pk, pv = typed
+    x, named = BAD_INPUTS[bad]
+    with pytest.raises(InputError, match=rf"^query: .*{re.escape(named)}"):
+        quant.attend(x, pk, pv)
+    if not quant.fuses_window(good):
+        return
+    for what, args in (("query", (x, good, good)), ("window keys", (good, x, good)), ("window values", (good, good, x))):
+        with pytest.raises(InputError, match=rf"^{what}: .*{re.escape(named)}"):
+            quant.attend_window(args[0], [(pk, pv)], args[1], args[2])
+
+
+def test_a_packed_field_of_dtype_object_is_a_layout_error_naming_it(typed) -> None:
+    quant, _, pk, _ = typed
+    bad = pk.map_fields(lambda f: np.asarray(quant.arrays.to_numpy(f)).astype(object))
+    with pytest.raises(LayoutError, match=r"field '\w+': got object\["):
+        quant.decode_keys(bad)

@@ -1,10 +1,11 @@
-"""The built wheel works on its own: built from a copy of this checkout, installed into a
-fresh virtual environment (no system site-packages, no checkout on the path), ``kvq list`` and
-``kvq demo`` run with every built-in, whose table then comes from the wheel's metadata.
+"""The built distributions work on their own: a wheel and an sdist built with ``python -m build``
+from a copy of this checkout, each installed into a fresh virtual environment (no system
+site-packages, no checkout on the path), run the quick start (``kvq --version``, ``kvq list``, ``kvq
+demo``) with every built-in, whose table then comes from the installed metadata.
 
-The environment gets only what the wheel declares (numpy, pluggy) from the package index, so
-the optional backends (torch, triton, numba) are absent there: ``kvq list`` must name the extra
-that installs each.
+The environment gets only what the distribution declares (numpy, pluggy; setuptools to build the
+sdist) from the package index, so the optional backends (torch, triton, numba) are absent there:
+``kvq list`` must name the extra that installs each.
 """
 from __future__ import annotations
 
@@ -30,30 +31,35 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory) -> Path:
-    """A fresh venv with the wheel of this checkout installed (and only its declared dependencies)."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def dists(tmp_path_factory) -> dict[str, Path]:
+    """A wheel and an sdist of this checkout, built by ``python -m build`` (the wheel from the sdist)."""
+    pytest.importorskip("build", reason="python -m build needs the dev extra's build")
+    tmp = tmp_path_factory.mktemp("dists")
     src = tmp / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     for name in ("kvq_core", "backends"):  # a copy: building writes build/ and *.egg-info beside the sources
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                  str(tmp / "dist"), str(src)], cwd=tmp)
-    assert built.returncode == 0, built.stderr
-    wheel = next((tmp / "dist").glob("kvq_core-*.whl"))
-    env = tmp / "venv"
-    made = _run([sys.executable, "-m", "venv", str(env)], cwd=tmp)
+    built = _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp / "dist"), str(src)], cwd=tmp)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    return {"wheel": next((tmp / "dist").glob("kvq_core-*.whl")), "sdist": next((tmp / "dist").glob("kvq_core-*.tar.gz"))}
+
+
+@pytest.fixture(scope="module", params=["wheel", "sdist"])
+def venv(request, dists: dict[str, Path], tmp_path_factory) -> Path:
+    """A fresh venv with the wheel or the sdist installed (and only its declared dependencies)."""
+    env = tmp_path_factory.mktemp(request.param) / "venv"
+    made = _run([sys.executable, "-m", "venv", str(env)], cwd=env.parent)
     assert made.returncode == 0, made.stderr
-    installed = _run([str(env / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)], cwd=tmp)
+    installed = _run([str(env / "bin" / "python"), "-m", "pip", "install", "-q", str(dists[request.param])], cwd=env.parent)
     if installed.returncode != 0 and "No matching distribution found" in installed.stderr:
-        pytest.skip(f"no package index reachable for numpy/pluggy: {installed.stderr.strip().splitlines()[-1]}")
+        pytest.skip(f"no package index reachable for the dependencies: {installed.stderr.strip().splitlines()[-1]}")
     assert installed.returncode == 0, installed.stderr
     return env
 
 
-def test_wheel_name_and_builtins_come_from_its_metadata(venv: Path) -> None:
+def test_name_and_builtins_come_from_the_installed_metadata(venv: Path) -> None:
     probe = ("import json, kvq_core, importlib.metadata as md; from kvq_core import registry; "
              "print(json.dumps({'file': kvq_core.__file__, 'builtins': registry.builtin_plugins(), "
              "'dist': md.metadata('kvq-core')['Name'], 'extras': registry.extras()}))")
@@ -68,9 +74,12 @@ def test_wheel_name_and_builtins_come_from_its_metadata(venv: Path) -> None:
     assert set(got["extras"]) == set(declared["optional-dependencies"])
 
 
-def test_kvq_list_and_demo_run_from_the_wheel(venv: Path) -> None:
+def test_kvq_version_list_and_demo_run_from_the_installed_distribution(venv: Path) -> None:
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     kvq = str(venv / "bin" / "kvq")
+    version = _run([kvq, "--version"], cwd=venv.parent)
+    assert version.returncode == 0, version.stderr
+    assert version.stdout == f"kvq-core {declared['version']}\n"
     listed = _run([kvq, "list", "--json"], cwd=venv.parent)
     assert listed.returncode == 0, listed.stderr
     data = json.loads(listed.stdout)

@@ -21,7 +21,7 @@ it checks, against the reference backend (``"numpy"`` unless told otherwise):
    OScaR, KIVI, QuaRot), a fixed block whose every group spans [-3, 3] at 2 bits (step exactly
    2, half the codes exact .5 ties) must give the reference's codes exactly: round-half-to-even
    is checked by design on every backend, not left to the draw or to ``exact_codes``;
-6. **typed errors** - bad input (rank, head_dim, empty, integer dtype, NaN/Inf, wrong packed
+6. **typed errors** - bad input (rank, head_dim, empty, an integer, object or str dtype, NaN/Inf, wrong packed
    kind, foreign spec, bad GQA ratio, bad scale) raises the documented :class:`KVQError` subclass;
    input whose stored fields would overflow (|x| ~ 1e6 past float16) raises InputError or decodes finite;
    nonzero input whose stored fields would underflow (|x| ~ 1e-30) raises InputError or decodes nonzero;
@@ -403,6 +403,8 @@ def check_errors(backend: str, method: str, *, to_backend: Callable[[np.ndarray]
     expect(InputError, "NaN keys", lambda: q.encode_keys(conv(nan)))
     expect(InputError, "-Inf values", lambda: q.encode_values(conv(inf)))
     expect(InputError, "a list instead of an array", lambda: q.encode_keys([[1.0, 2.0]]))
+    expect(InputError, "a NumPy array of dtype object", lambda: q.encode_keys(good.astype(object)))
+    expect(InputError, "a NumPy array of strings", lambda: q.encode_values(good.astype(str)))
     pk, pv = q.encode_keys(conv(good)), q.encode_values(conv(good))
     expect(InputError, "decoding keys as values", lambda: q.decode_values(pk))
     other = None
@@ -420,6 +422,7 @@ def check_errors(backend: str, method: str, *, to_backend: Callable[[np.ndarray]
     qnan = rng.standard_normal((1, 4, 1, head_dim)).astype(np.float32)
     qnan[0, 0, 0, 0] = np.nan
     expect(InputError, "a NaN query", lambda: q.attend(conv(qnan), pk, pv))
+    expect(InputError, "a query of dtype object", lambda: q.attend(np.ones((1, 4, 1, head_dim), object), pk, pv))
     try:  # past float16 range: a stored field may overflow, which must raise rather than store Inf
         huge = q.encode_keys(conv(good * 1e6))
     except InputError:

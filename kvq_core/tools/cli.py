@@ -77,7 +77,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq", description="Compressed KV caches: OScaR, OCTOPUS and baselines.")
-    p.add_argument("--version", action="version", version=f"kvq {kvq_core.__version__}")
+    p.add_argument("--version", action="version", version=f"{kvq_core.registry.KVQ_DIST} {kvq_core.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     lp = sub.add_parser("list", help="methods and backends, with availability and origin")
     lp.add_argument("--json", action="store_true")
