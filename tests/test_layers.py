@@ -91,12 +91,19 @@ def test_backends_use_no_private_core_names() -> None:
     assert not offenders, offenders
 
 
+#: another library's underscored attributes that are its documented switch, with why kvq may set them
+FOREIGN_SWITCHES = {
+    "_attn_implementation": "transformers' attention implementation: a PretrainedConfig property whose setter "
+                            "also sets the sub-configs, read by the model's attention modules at every call",
+}
+
+
 def _private_writes(tree: ast.AST) -> list[str]:
     """Assignments (``=``, ``+=``, annotated, ``del``, ``setattr``) to a private attribute of an
     object other than ``self``/``cls``, e.g. ``layer._x = ...`` or ``layer._x[i] = ...``."""
 
     def private(name: str) -> bool:
-        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and name not in FOREIGN_SWITCHES
 
     def foreign(node: ast.AST) -> bool:
         return not (isinstance(node, ast.Name) and node.id in ("self", "cls"))

@@ -139,7 +139,7 @@ class KVQLayer(DynamicLayer):
         self.cumulative_length = 0
         self._decoded = DecodedHistory()
         self._ahead: tuple[PackedKV, PackedKV, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._edge: Any = None  # a sliding window's edge group, decoded (kvq_core.integrations.hf.view.edge_view)
+        self.edge: Any = None  # a sliding window's edge group, decoded and kept by kvq_core.integrations.hf.view.edge_view
         self._plan: WindowPlan | None = None  # the blocks last attended, checked once (window_plan)
         self._pending_codes = False
         self.last_attention_bits = 0.0  # stored bits when the last step attended (window at WINDOW_BITS)
@@ -342,7 +342,7 @@ class KVQLayer(DynamicLayer):
             self._plan = plan
             return plan
         live = {id(pk) for pk, _ in self.blocks}  # this step's flush may have joined some of them already
-        live |= set() if self._edge is None else {id(pk) for pk, _ in self._edge.rest}  # a sliding window's edge
+        live |= set() if self.edge is None else {id(pk) for pk, _ in self.edge.rest}  # a sliding window's edge
         self._plan = plan if all(id(pk) in live for pk, _ in blocks) else None  # then: used once, not kept
         return plan
 
@@ -400,7 +400,7 @@ class KVQLayer(DynamicLayer):
         """Free the decoded copies (rebuilt on demand)."""
         self._decoded.clear()
         self.release_ahead()
-        self._edge = None
+        self.edge = None
 
     def snapshot(self) -> dict[str, Any]:
         """The layer's state, to undo the next ``update`` with :meth:`restore`. Holds references
@@ -430,7 +430,7 @@ class KVQLayer(DynamicLayer):
         """Bytes of decoded copies: the history (dequant mode), a block encoded ahead (codes
         mode, :meth:`decode_ahead`) and a sliding window's edge group (codes mode); not part of the stored cache."""
         held = [] if self._ahead is None else list(self._ahead[2])
-        held += [] if self._edge is None else list(self._edge.decoded)
+        held += [] if self.edge is None else list(self.edge.decoded)
         return self._decoded.nbytes() + sum(t.numel() * t.element_size() for t in held)
 
     # -- batch and beam operations (:mod:`kvq_core.integrations.hf.batch`: codes moved, never re-quantized) --

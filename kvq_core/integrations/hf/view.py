@@ -129,7 +129,7 @@ def edge_view(layer: KVQLayer, first: int) -> tuple[tuple[tuple[PackedKV, Packed
     """The blocks a query seeing tokens from ``first`` on reads from codes, and the visible tokens of
     the token group holding ``first`` decoded (None when ``first`` starts a group). Whole groups
     before ``first`` are left out, as eviction will drop them; the group the edge falls in is decoded
-    once and kept (``KVQLayer._edge``) until its block changes, so a layer holds at most one decoded
+    once and kept (``KVQLayer.edge``) until its block changes, so a layer holds at most one decoded
     group, never a copy of its history."""
     plan = plan_eviction(layer.block_tokens, layer.evicted, first, layer._granule)
     later = tuple(layer.blocks[plan.drop_blocks + 1:])
@@ -139,13 +139,13 @@ def edge_view(layer: KVQLayer, first: int) -> tuple[tuple[tuple[PackedKV, Packed
             tokens = layer.block_tokens[plan.drop_blocks]
             head = [(slice_tokens(head[0][0], plan.cut, tokens), slice_tokens(head[0][1], plan.cut, tokens))]
         return (*head, *later), None
-    block, edge = layer.blocks[plan.drop_blocks], layer._edge
+    block, edge = layer.blocks[plan.drop_blocks], layer.edge
     if edge is None or edge.block[0] is not block[0] or edge.block[1] is not block[1] or edge.cut != plan.cut:
         tokens = layer.block_tokens[plan.drop_blocks]
         group = min(plan.cut + layer._granule, tokens)
         decoded = layer.decode_pair(slice_tokens(block[0], plan.cut, group), slice_tokens(block[1], plan.cut, group))
         rest = () if group == tokens else ((slice_tokens(block[0], group, tokens), slice_tokens(block[1], group, tokens)),)
-        edge = layer._edge = Edge(block, plan.cut, decoded, rest)
+        edge = layer.edge = Edge(block, plan.cut, decoded, rest)
     skip = first - plan.evicted
     return (*edge.rest, *later), (edge.decoded[0][:, :, skip:], edge.decoded[1][:, :, skip:])
 
