@@ -4,4 +4,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvq-inductor"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """torch.compile tests (``compile``) belong to the slow tier: inductor's cold compile is ~20 s a graph."""
+    for item in items:
+        if item.get_closest_marker("compile") is not None:
+            item.add_marker(pytest.mark.slow)

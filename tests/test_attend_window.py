@@ -178,6 +178,7 @@ def test_attend_window_checks_its_inputs():
         numpy_quant.attend_window(q, [], k[:, :, :8], k[:, :, :8])
 
 
+@pytest.mark.slow  # slow tier: a Triton-interpreter child run
 @pytest.mark.skipif(INTERPRETING or importlib.util.find_spec("triton") is None,
                     reason="starts the interpreter's child process (triton installed, not already interpreting)")
 def test_triton_under_interpreter() -> None:

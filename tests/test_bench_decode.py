@@ -26,6 +26,8 @@ from kvq_core.tools import cli  # noqa: E402
 from kvq_core.tools.bench import decode  # noqa: E402
 from kvq_core.tools.eval.model import default_model_path  # noqa: E402
 
+pytestmark = pytest.mark.slow  # slow tier: model runs of kvq bench decode
+
 PARTS = ("encode", "cache", "attention", "other")
 
 

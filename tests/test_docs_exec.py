@@ -33,6 +33,8 @@ DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_version import skip_unless_cache_keyword  # noqa: E402
 
+pytestmark = pytest.mark.slow  # slow tier: runs every README command and docs example
+
 #: what each README command-list line gets appended to run small; every line must be here
 TINY: dict[tuple[str, ...], list[str]] = {
     ("list",): [],

@@ -12,6 +12,8 @@ import pytest
 import kvq_core
 from kvq_core import registry, testing
 
+pytestmark = pytest.mark.slow  # slow tier: pip-installs the doc's plugin
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 
 

@@ -132,6 +132,7 @@ def test_torch_compiled_backend_equals_eager() -> None:
             assert torch.equal(xg.grad, torch.ones_like(x))
 
 
+@pytest.mark.slow  # slow tier: a Triton-interpreter child run
 def test_triton_fake_quant_under_interpreter() -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")

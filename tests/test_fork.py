@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # slow tier: fresh interpreters that fork after the kernels ran
+
 pytest.importorskip("numba")
 if not hasattr(os, "fork"):
     pytest.skip("no os.fork on this platform", allow_module_level=True)

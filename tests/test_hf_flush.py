@@ -226,6 +226,7 @@ for name, sub in (("kvq_core", "kvq_core"), ("kvq_core.integrations.hf", "kvq_co
 '''
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 @pytest.mark.parametrize("module", ["kvq_core.integrations.hf.flush", "kvq_core.integrations.hf.window"])
 def test_plain_integer_modules_import_no_torch_or_numpy(module: str) -> None:
     """The policy modules load and run with torch, numpy and transformers unimportable."""

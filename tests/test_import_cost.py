@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # slow tier: fresh interpreters
+
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "triton", "pluggy", "transformers")
 

@@ -63,18 +63,21 @@ def _probe(*blocked: str, extra: str = "") -> dict:
     return json.loads(line[len("RESULT"):])
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_nothing_blocked_everything_works() -> None:
     out = _probe()
     assert all(ok for ok, _ in out["methods"].values()), out["methods"]
     assert all(isinstance(v, float) for v in out["roundtrip"].values()), out["roundtrip"]
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_scipy_is_not_needed() -> None:
     out = _probe("scipy")
     assert all(ok for ok, _ in out["methods"].values()), out["methods"]
     assert all(isinstance(v, float) for v in out["roundtrip"].values()), out["roundtrip"]
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_a_method_module_that_fails_disables_only_that_method() -> None:
     out = _probe("kvq_core.methods.polarquant", extra='''
         try:
@@ -103,6 +106,7 @@ def own_modules(method: str) -> list[str]:
     return [f"kvq_core.methods.{method}", *kernels]
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 @pytest.mark.parametrize("method", ["polarquant", "qjl", "kivi", "octopus", "oscar", "quarot"])
 def test_every_method_module_blocked_takes_down_only_methods_built_on_it(method: str) -> None:
     """A method's own modules blocked: that method is unavailable, and so is any method whose
@@ -114,6 +118,7 @@ def test_every_method_module_blocked_takes_down_only_methods_built_on_it(method:
     assert down == contains, out["methods"]
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_a_kernel_module_that_fails_disables_only_that_backend_method() -> None:
     out = _probe("kvq_numpy.octopus")
     ok, reason, served, problems = out["backends"]["numpy"]
@@ -124,6 +129,7 @@ def test_a_kernel_module_that_fails_disables_only_that_backend_method() -> None:
     assert out["methods"]["octopus"][0]  # torch still serves it
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_a_shared_int_codes_module_that_fails_disables_its_methods_on_that_backend_only() -> None:
     """The NumPy int-codes kernels blocked: OScaR, KIVI, QuaRot (and QJL, whose values are KIVI's
     codec) lose the numpy backend, with the reason; torch still serves them, other methods keep numpy."""
@@ -138,6 +144,7 @@ def test_a_shared_int_codes_module_that_fails_disables_its_methods_on_that_backe
     assert isinstance(out["roundtrip"]["octopus"], float)
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_without_torch_numpy_still_serves_everything() -> None:
     out = _probe("torch")
     assert not out["plugins"]["torch"][0] and "torch" in out["plugins"]["torch"][1]
@@ -146,6 +153,7 @@ def test_without_torch_numpy_still_serves_everything() -> None:
     assert all(isinstance(v, float) for v in out["roundtrip"].values())
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 @pytest.mark.parametrize("blocked", ["transformers", "onnx", "hypothesis"])
 def test_without_an_extra_the_core_still_works(blocked: str) -> None:
     out = _probe(blocked)
@@ -153,6 +161,7 @@ def test_without_an_extra_the_core_still_works(blocked: str) -> None:
     assert all(isinstance(v, float) for v in out["roundtrip"].values())
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_cli_list_works_without_torch_and_names_why() -> None:
     code = PRELUDE.format(blocked=["torch"]) + "from kvq_core.tools.cli import main\nmain(['list'])\n"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends")]), "KVQ_DISABLE_PLUGINS": "1"}

@@ -64,6 +64,7 @@ def test_paths_that_did_not_move_are_left_alone() -> None:
         importlib.import_module("kvq_core.no_such_module")
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_the_warning_shows_by_default_in_a_script() -> None:
     """Python shows a DeprecationWarning raised in ``__main__`` by default: a script importing an old
     path sees it without ``-W``; ``python -m`` with an old path still runs the module."""

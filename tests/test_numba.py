@@ -108,6 +108,7 @@ def test_cuda_kernels_under_the_simulator() -> None:
     assert "3 passed" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_first_compile_is_announced_and_cached(tmp_path) -> None:
     """A kernel's first compile prints a start line and its duration on stderr; a second process
     with the same disk cache loads it silently."""

@@ -19,6 +19,8 @@ pytest.importorskip("numba")
 
 from kvq_numba import cache_stamp  # noqa: E402
 
+pytestmark = pytest.mark.slow  # slow tier: fresh interpreters compiling a kernel
+
 KERNEL = """\
 from numba import njit
 from {pkg}.helper import helper

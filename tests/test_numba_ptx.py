@@ -23,6 +23,8 @@ import warnings
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # slow tier: compiles every numba CUDA kernel to PTX
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TARGETS = ((8, 0), (9, 0))
 #: kernels that make integer codes, so must round half to even (cvt.rni)

@@ -225,6 +225,7 @@ def test_cli_export(tmp_path, capsys):
     assert rc == 2 and "no checked export path" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_cli_names_the_missing_extra(tmp_path):
     """Without onnxscript, ``kvq export onnx`` exits 2 naming the extra to install."""
     import os

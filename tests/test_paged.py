@@ -196,6 +196,7 @@ def test_fake_shapes_and_opcheck() -> None:
     assert tuple(out.shape) == (3, 4, D) and tuple(lse.shape) == (3, 4) and out.dtype == torch.float32
 
 
+@pytest.mark.slow  # slow tier: a Triton-interpreter child run
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_under_interpreter() -> None:
     """tests/triton_interp/interp_paged.py in a fresh process with TRITON_INTERPRET=1."""

@@ -152,6 +152,7 @@ def _kvq_list(site: Path) -> tuple[dict, str]:
     return json.loads(listing), text
 
 
+@pytest.mark.slow  # slow tier: a fresh interpreter
 def test_failing_plugins_are_listed_with_their_reason(site: Path) -> None:
     listing, text = _kvq_list(site)
     plugins = {p["name"]: p for p in listing["plugins"]}

@@ -12,6 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_version import skip_unless_cache_keyword  # noqa: E402
 
+pytestmark = pytest.mark.slow  # slow tier: a fresh interpreter runs the README's training snippet
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]

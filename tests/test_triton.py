@@ -13,6 +13,8 @@ import pytest
 
 from kvq_core import registry
 
+pytestmark = pytest.mark.slow  # slow tier: Triton-interpreter child runs and the GPU check's dry run
+
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,6 +20,8 @@ from kvq_core.paged import PageLayout  # noqa: E402
 from kvq_core.registry import make_spec  # noqa: E402
 from kvq_triton import attention, codebook, intcodes, packing, paged, tiles, window  # noqa: E402
 
+pytestmark = pytest.mark.slow  # slow tier: compiles every Triton kernel for sm_80 and sm_90
+
 P8, P16, P32, I32 = "*u8", "*fp16", "*fp32", "*i32"
 
 
