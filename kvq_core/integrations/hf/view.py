@@ -79,13 +79,12 @@ def step_view(layer: KVQLayer, block: tuple[PackedKV, PackedKV, int] | None, bas
     decode_view = (layer.flush == "sliding" and layer.chunks == "decode" and layer.keys.shape[-2] > max(layer.residual, 1)
                    and base >= first)
     flushed = _window_codes(layer, block, base) if decode_view else None
-    if layer.codes_mode and layer.evicted < first <= base and flushed is None:
+    if layer.evicted < first <= base and flushed is None and layer.codes_mode:  # integers first: this runs every step
         # a sliding window starts inside a token group: the group's visible tokens decoded, the rest from codes
         blocks, edge = edge_view(layer, first)
-        keys, values = layer.keys.view_as(layer.keys), layer.values.view_as(layer.values)
-        h = 0 if edge is None else edge[0].shape[-2]
+        keys, values, h = layer.keys.view_as(layer.keys), layer.values.view_as(layer.values), 0
         if edge is not None:
-            keys, values = torch.cat([edge[0], keys], dim=-2), torch.cat([edge[1], values], dim=-2)
+            keys, values, h = torch.cat([edge[0], keys], dim=-2), torch.cat([edge[1], values], dim=-2), edge[0].shape[-2]
         attach_context(keys, CodesContext(layer, blocks, base - first - h, history=h, leading=h))
         layer.mark_pending()
     elif first > layer.evicted or base < first:
