@@ -160,13 +160,21 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtype
         if c.shape[-1] != count:
             c = c[..., :count]
         return c.to(dtype)
-    shifts8 = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    stream = ((packed.unsqueeze(-1) >> shifts8) & 1).reshape(*lead, packed.shape[-1] * 8)[..., : count * bits]
-    stream = stream.reshape(*lead, count, bits).to(torch.int64)
-    weights = torch.ones(bits, dtype=torch.int64, device=packed.device) << torch.arange(
-        bits, dtype=torch.int64, device=packed.device
-    )
-    return (stream * weights).sum(-1).to(dtype)
+    return read_fields(packed, 0, bits, count).to(dtype)
+
+
+def read_fields(packed: torch.Tensor, start: int, bits: int, count: int) -> torch.Tensor:
+    """``count`` codes of ``bits`` bits (at most 56) from stream bit ``start`` on, as int64 ``(..., count)``:
+    each code's bytes gathered and read as one little-endian word (:func:`pack_codes`' stream order)."""
+    offsets = start + bits * torch.arange(count, dtype=torch.int64, device=packed.device)
+    span = (7 + bits + 7) // 8  # bytes a code can touch from any bit offset
+    index = (offsets // 8).unsqueeze(-1) + torch.arange(span, dtype=torch.int64, device=packed.device)
+    inside = index < packed.shape[-1]  # a code ending in the last byte reads past it: zeros there
+    raw = packed[..., index.clamp(max=packed.shape[-1] - 1)].to(torch.int64) * inside
+    word = raw[..., 0]
+    for j in range(1, span):
+        word = word | (raw[..., j] << (8 * j))
+    return (word >> (offsets % 8)) & ((1 << bits) - 1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ first, the reference's tie rule. Keys stay in the rotated domain inside :meth:`O
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvq_core.math.octahedral import JOINT_NEIGHBOURS
@@ -20,10 +22,12 @@ from kvq_torch.common import (
     TorchMethod,
     codebook_quantize,
     pack_codes,
+    read_fields,
     softmax_attend,
     unpack_codes,
+    window_attend,
 )
-from kvq_torch.rotation import normalize_rotate, rotate_queries, sqrt_rn, unrotate, unrotate_output
+from kvq_torch.rotation import normalize_rotate, rotate, rotate_queries, sqrt_rn, unrotate, unrotate_output
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,19 +138,13 @@ def to_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
     return ((codes.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], -1)
 
 
-def from_bits(stream: torch.Tensor, width: int) -> torch.Tensor:
-    """Inverse of :func:`to_bits` (int64 codes)."""
-    shifts = torch.arange(width, dtype=torch.int64, device=stream.device)
-    return (stream.to(torch.int64).reshape(*stream.shape[:-1], -1, width) << shifts).sum(-1)
-
-
 def unpack(fields: Fields, spec: OctopusSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The triplet codes and the scalar tail's codes (None without a scalar tail)."""
     if not spec.n_tail:
         return unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets), None
     head = spec.n_triplets * spec.triplet_bits
-    stream = unpack_codes(fields["codes"], 1, head + spec.n_tail * spec.bits)
-    return from_bits(stream[..., :head], spec.triplet_bits), from_bits(stream[..., head:], spec.bits)
+    return (read_fields(fields["codes"], 0, spec.triplet_bits, spec.n_triplets),
+            read_fields(fields["codes"], head, spec.bits, spec.n_tail))
 
 
 def decode_rotated(fields: Fields, spec: OctopusSpec, consts: Consts) -> torch.Tensor:
@@ -198,3 +196,19 @@ class OctopusTorch(TorchMethod):
         v_rot = vfields["norm"].unsqueeze(-1) * decode_rotated(vfields, self.spec, ctx.consts)
         out_rot, lse = softmax_attend(q_rot, k_rot, v_rot, scale, token_scale=kfields["norm"])
         return unrotate_output(out_rot, ctx.consts, kv_heads), lse
+
+    def attend_window(self, q: torch.Tensor, blocks: Sequence[tuple[Fields, Fields, int]], window_k: torch.Tensor,
+                      window_v: torch.Tensor, ctx: TorchContext, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks and the exact window in one softmax, in the rotated domain (as :meth:`attend`): the
+        blocks' keys and values are never un-rotated, the window is rotated in and the output back once."""
+        kv_heads = window_k.shape[1]
+        rotated_values = self.spec.values != "fp16"
+        ks, vs = [], []
+        for kfields, vfields, _ in blocks:
+            ks.append(kfields["norm"].unsqueeze(-1) * decode_rotated(kfields, self.spec, ctx.consts))
+            vs.append(vfields["norm"].unsqueeze(-1) * decode_rotated(vfields, self.spec, ctx.consts) if rotated_values
+                      else vfields["data"].to(torch.float32))
+        ks.append(rotate(window_k, ctx.consts))
+        vs.append(rotate(window_v, ctx.consts) if rotated_values else window_v.to(torch.float32))
+        out, lse = window_attend(rotate_queries(q, ctx.consts, kv_heads), torch.cat(ks, 2), torch.cat(vs, 2), scale)
+        return (unrotate_output(out, ctx.consts, kv_heads) if rotated_values else out), lse
