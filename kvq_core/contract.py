@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
     from kvq_core.spec import MethodSpec
 
 #: ``supports(spec, device) -> (ok, reason)``; ``device`` is None for NumPy input, else a device
@@ -86,6 +88,12 @@ class BackendInfo:
     ``kvq::write_paged`` for it (called with the spec; :mod:`kvq_core.paged`), key
     :data:`ALL_METHODS` for every method this backend has kernels for; a method without one falls
     back to the ``torch`` backend's.
+
+    ``compiled``: for a backend whose kernels compile on first use into a disk cache, the
+    :class:`CompileCache` that says whether a spec's are there (or a ``"module:Attr"`` reference to
+    it); ``backend="auto"`` in a ``KVQCache`` then serves a spec whose kernels are not compiled yet
+    from the next backend while these compile in the background (:mod:`kvq_core.compile_ahead`).
+    None: nothing compiles ahead of use.
     """
 
     name: str
@@ -98,6 +106,21 @@ class BackendInfo:
     adapt: Callable[[Any], Any] | None = None
     paged: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     paged_write: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    compiled: "CompileCache | str | None" = None
+
+
+class CompileCache(Protocol):
+    """Where a backend keeps its compiled kernels, per spec: ready or not, and marked ready once a warm-up
+    has compiled them (the marks go when the compiled code does)."""
+
+    def ready(self, spec: "MethodSpec", device: str | None) -> bool:
+        """True when ``spec``'s kernels on ``device`` run without compiling first."""
+
+    def mark_ready(self, spec: "MethodSpec") -> None:
+        """Record that a warm-up of ``spec`` on the CPU has compiled its kernels into the disk cache."""
+
+    def directory(self) -> "Path":
+        """The folder the disk cache lives in (a background compile keeps its lock and log there)."""
 
 
 class ArrayAdapter(Protocol):

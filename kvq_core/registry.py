@@ -616,17 +616,17 @@ def alternatives(spec: MethodSpec, device: str | None) -> str:
             f"(backend='auto' picks among them)")
 
 
-def select_backend(spec: MethodSpec | str, device: str | None = None) -> str:
+def select_backend(spec: MethodSpec | str, device: str | None = None, exclude: tuple[str, ...] = ()) -> str:
     """Resolve ``backend="auto"`` through the firstresult hook ``kvq_select_backend``.
 
-    The hook chooses among the backends that implement the method and are not yet ruled out;
-    the registry then checks the choice (available, kernels load, and supports the spec on
-    ``device``; ``spec`` may be a method name, then only the first two) and asks again without
-    it if not. So only the chosen backend's kernels are imported: ``backend="auto"`` on NumPy
-    arrays loads neither torch nor Triton."""
+    The hook chooses among the backends that implement the method and are not yet ruled out
+    (nor in ``exclude``); the registry then checks the choice (available, kernels load, and
+    supports the spec on ``device``; ``spec`` may be a method name, then only the first two) and
+    asks again without it if not. So only the chosen backend's kernels are imported:
+    ``backend="auto"`` on NumPy arrays loads neither torch nor Triton."""
     method = spec if isinstance(spec, str) else spec.method
     why: list[str] = []
-    pending = [name for name, entry in state().backends.items() if method in entry.kernels]
+    pending = [name for name, entry in state().backends.items() if method in entry.kernels and name not in exclude]
     while pending:
         chosen = state().pm.hook.kvq_select_backend(method=method, device=device, candidates=list(pending))
         if chosen not in pending:

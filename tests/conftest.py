@@ -1,11 +1,14 @@
 """Shared test setup (keep small). Inductor's on-disk cache persists across runs, so compiled
-tests pay the ~30 s cold compile once per machine, not per run."""
+tests pay the ~30 s cold compile once per machine, not per run. A KVQCache's backend="auto" is the
+compiled one from the first call (KVQ_COMPILE=foreground: the tests say which backend serves; no
+background compile competes with them); tests/test_compile_ahead.py covers the background path."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
+os.environ.setdefault("KVQ_COMPILE", "foreground")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvq-inductor"))
 
 

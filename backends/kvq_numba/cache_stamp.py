@@ -13,17 +13,23 @@ beside it: an editable checkout, a virtual environment's site-packages) and, whe
 is set, that directory's entry for the file's folder (Numba's rule: the folder's name, ``_``, the
 SHA-1 of its absolute path). A read-only install whose cache Numba keeps in the user-wide folder is
 not covered: its sources change only when it is reinstalled.
+
+:class:`NumbaCompileCache` marks, per spec, that a warm-up compiled its kernels into that cache (the
+package folder's cache directory, one small file per spec and CPU), so a ``KVQCache`` knows before its
+first call whether numba would have to compile; the marks are dropped with the kernels.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 #: the stamp's file name inside each cache directory
 STAMP = "kvq_numba_sources.sha256"
-#: Numba's index (.nbi) and code (.nbc) files
-CACHE_SUFFIXES = (".nbi", ".nbc")
+#: Numba's index (.nbi) and code (.nbc) files, and the marks of compiled specs (.ready)
+CACHE_SUFFIXES = (".nbi", ".nbc", ".ready")
 PACKAGE = Path(__file__).resolve().parent
 
 
@@ -69,3 +75,43 @@ def drop_stale(root: Path = PACKAGE) -> int:
         except OSError:
             continue
     return deleted
+
+
+def package_cache_dir(root: Path = PACKAGE) -> Path:
+    """The directory Numba caches the kernels of ``root``'s own folder in (``NUMBA_CACHE_DIR``'s entry, else ``__pycache__``)."""
+    user_dir = os.environ.get("NUMBA_CACHE_DIR")
+    if user_dir:
+        return Path(user_dir) / f"{root.name}_{hashlib.sha1(str(root).encode()).hexdigest()}"
+    return root / "__pycache__"
+
+
+def _host_cpu() -> str:
+    """The host CPU as Numba's cache index keys it (name and features): a mark holds on this CPU only."""
+    import llvmlite.binding as llvm
+
+    return f"{llvm.get_host_cpu_name()}:{llvm.get_host_cpu_features().flatten()}"
+
+
+class NumbaCompileCache:
+    """kvq_numba's :class:`kvq_core.contract.CompileCache`: a ``.ready`` file per (spec, CPU) in the package's cache directory."""
+
+    def directory(self) -> Path:
+        return package_cache_dir()
+
+    def _mark(self, spec: Any) -> Path:
+        key = hashlib.sha256(json.dumps([spec.to_dict(), _host_cpu()], sort_keys=True, default=str).encode()).hexdigest()
+        return self.directory() / f"{spec.method}-{key[:24]}.ready"
+
+    def ready(self, spec: Any, device: str | None) -> bool:
+        """True on a CUDA device (its kernels compile per launch shape, not ahead) or where a warm-up marked ``spec``."""
+        if device is not None and str(device).split(":")[0] != "cpu":
+            return True
+        return self._mark(spec).is_file()
+
+    def mark_ready(self, spec: Any) -> None:
+        path = self._mark(spec)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(spec.describe() + "\n")
+        except OSError:
+            pass  # an unwritable cache: Numba does not cache there either

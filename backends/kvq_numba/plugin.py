@@ -102,7 +102,8 @@ def kvq_register_backends(register: Callable[[BackendInfo], None]) -> None:
     register(BackendInfo(NAME, KERNELS, NumbaArrays(), _available, supports=supports,
                          summary="Numba: @njit CPU kernels; numba.cuda kernels for CUDA input",
                          paged={method: PAGED for method in PAGED_METHODS},
-                         paged_write={method: PAGED_WRITE for method in PAGED_METHODS}))
+                         paged_write={method: PAGED_WRITE for method in PAGED_METHODS},
+                         compiled="kvq_numba.cache_stamp:NumbaCompileCache"))
 
 
 @hookimpl

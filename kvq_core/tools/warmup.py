@@ -1,12 +1,14 @@
 """``kvq warmup``: compile, once, the kernels a model's cache will need, with a progress line each.
 
-Numba compiles a kernel on its first call with a new argument type (tens of seconds per kernel
-on a small CPU, about a minute for a fresh OScaR or OCTOPUS cache) and keeps it in its disk cache,
-so later processes load it in well under a second. The argument types depend on the method (and
-its bit width: INT3 takes another attend kernel than INT2/INT4), the head dim and the backend,
+Numba compiles a kernel on its first call with a new argument type (seconds to three minutes per
+kernel on a small CPU) and keeps it in its disk cache, so later processes load it in well under a
+second. The argument types depend on the method (and its bit width), the head dim and the backend,
 not on the token count or the number of heads, so one small encode, decode and attend per method
-at the model's head dim compiles what ``KVQCache`` runs during ``generate``. Torch-tensor backends
-(torch, triton) compile nothing on the host ahead of use and are only exercised.
+at the model's head dim (:func:`kvq_core.compile_ahead.warm`) compiles what ``KVQCache`` runs during
+``generate``, and marks the spec compiled: caches made later use numba from their first call (a
+cache made before serves from torch while numba compiles in the background). Methods compile in
+parallel processes (``--jobs``). Torch-tensor backends compile nothing on the host ahead of use and
+are only exercised.
 
     kvq warmup                           # oscar:bits=2 and octopus:bits=3 at SmolLM2's head dim 64
     kvq warmup oscar:bits=4 --model path/to/model   # head dim and KV heads from the model's config
@@ -14,11 +16,10 @@ at the model's head dim compiles what ``KVQCache`` runs during ``generate``. Tor
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
-
-import numpy as np
 
 DEFAULT_METHODS = ("oscar:bits=2", "octopus:bits=3")
 #: SmolLM2-135M, the default model of kvq's eval and bench commands
@@ -59,31 +60,45 @@ def parse_method(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def warm(method: str, params: dict[str, Any], shape: dict[str, int], backend: str = "auto",
-         device: str | None = "cpu", say: Any = print) -> float:
-    """Encode (a block and one token), decode and attend a small block of ``method`` on ``backend`` (``"auto"``: what a
-    ``KVQCache`` on ``device`` picks), and attend it with an exact window where the backend fuses
-    the two (:meth:`kvq_core.Quantizer.attend_window`); returns the seconds it took."""
-    import kvq_core
+         device: str | None = "cpu", say: Any = print, every: bool = True) -> float:
+    """Compile ``method`` with ``params`` at ``shape`` on ``backend`` (``"auto"``: what a ``KVQCache`` on
+    ``device`` picks) by running what a cache runs (:func:`kvq_core.compile_ahead.warm`), and mark it
+    compiled, so caches made later use that backend from their first call; returns the seconds it took."""
+    from kvq_core import compile_ahead, registry
 
-    t0 = time.perf_counter()
-    q = kvq_core.get_quantizer(method, backend, device=device if backend == "auto" else None,
-                               head_dim=shape["head_dim"], **params)
-    rng = np.random.default_rng(0)
-    b, h, d, g = 1, shape["kv_heads"], shape["head_dim"], max(1, shape["q_heads"] // shape["kv_heads"])
-    kv = rng.standard_normal((b, h, 40, d)).astype(np.float32)
-    query = rng.standard_normal((b, h * g, 1, d)).astype(np.float32)
-    label = f"kvq warmup: {q.spec.describe()} on {q.backend}:"
-    say(f"{label} encode ...")
-    pk, pv = q.encode_keys(kv), q.encode_values(kv)
-    q.encode_keys(kv[:, :, :1]), q.encode_values(kv[:, :, :1])  # a decode step's token: small calls may run other kernels
-    say(f"{label} decode ...")
-    q.decode_keys(pk), q.decode_values(pv)
-    say(f"{label} attend ...")
-    q.attend(query, pk, pv)
-    if q.fuses_window(query):  # what a KVQCache decode step calls: the blocks and the exact window at once
-        say(f"{label} attend_window ...")
-        q.attend_window(query, [(pk, pv)], kv[:, :, :4], kv[:, :, :4])
-    return time.perf_counter() - t0
+    spec = registry.make_spec(method, head_dim=shape["head_dim"], **params)
+    name = registry.select_backend(spec, device) if backend == "auto" else backend
+    seconds = compile_ahead.warm(spec, name, shape["kv_heads"], shape["q_heads"], say=lambda m: say(f"kvq warmup: {m}"),
+                                 every=every)
+    compile_ahead.mark_warm(spec, name)
+    return seconds
+
+
+def _in_parallel(texts: list[str], options: list[str], jobs: int) -> int:
+    """Run ``kvq warmup TEXT OPTIONS --jobs 1`` per method text, up to ``jobs`` processes at a time (a
+    compile runs on one core), their lines relayed whole to this process's stdout; the first non-zero
+    exit status, else 0."""
+    import subprocess
+    import threading
+
+    def relay(proc: subprocess.Popen) -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            print(line, end="", flush=True)
+
+    pending, running, rc = list(texts), [], 0
+    while pending or running:
+        while pending and len(running) < jobs:
+            cmd = [sys.executable, "-m", "kvq_core.tools.warmup", pending.pop(0), *options, "--jobs", "1"]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            reader = threading.Thread(target=relay, args=(proc,), daemon=True)
+            reader.start()
+            running.append((proc, reader))
+        time.sleep(0.1)
+        for proc, reader in [x for x in running if x[0].poll() is not None]:
+            reader.join()
+            running.remove((proc, reader))
+            rc = rc or proc.returncode
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,14 +109,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=None, help=f"head dim (default {DEFAULT_SHAPE['head_dim']})")
     p.add_argument("--backend", default="auto", help="backend (default auto: what KVQCache picks on the CPU)")
     p.add_argument("--device", default="cpu", help="device for backend auto (default cpu)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="methods compiled at once, one process each (default: the CPU count)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="only what an unpadded generate runs: skip the plain attend a fused backend runs for masked steps")
     args = p.parse_args(argv)
+    total = time.perf_counter()
+    if args.jobs > 1 and len(args.methods) > 1:
+        options = ["--backend", args.backend, "--device", args.device] + (["--model", args.model] if args.model else []) \
+            + (["--head-dim", str(args.head_dim)] if args.head_dim else []) + (["--decode-only"] if args.decode_only else [])
+        rc = _in_parallel(args.methods, options, args.jobs)
+        print(f"kvq warmup: done in {time.perf_counter() - total:.1f} s ({min(args.jobs, len(args.methods))} processes; "
+              "Numba's disk cache keeps the kernels for later processes)", flush=True)
+        return rc
     shape = model_shape(args.model) if args.model else dict(DEFAULT_SHAPE)
     if args.head_dim:
         shape["head_dim"] = args.head_dim
-    total = time.perf_counter()
     for text in args.methods:
         method, params = parse_method(text)
-        seconds = warm(method, params, shape, args.backend, args.device, say=lambda m: print(m, flush=True))
+        seconds = warm(method, params, shape, args.backend, args.device, say=lambda m: print(m, flush=True),
+                       every=not args.decode_only)
         print(f"kvq warmup: {text} ready in {seconds:.1f} s", flush=True)
     print(f"kvq warmup: done in {time.perf_counter() - total:.1f} s (Numba's disk cache keeps the kernels for later "
           "processes)", flush=True)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvq_core import compile_ahead
 from kvq_core.api import Quantizer, get_quantizer
 from kvq_core.errors import InputError, KVQError
 from kvq_core.integrations.hf.batch import batch_size, select_batch
@@ -175,8 +176,19 @@ class KVQLayer(DynamicLayer):
                     f"part, qk_rope_head_dim={mla[1]}, as values, as DeepseekV3 does; this model caches something else)")
                 raise InputError(f"layer {self.layer_idx}: {what} have head_dim {x.shape[-1]}; the spec says {spec.head_dim}{hint}")
         device = str(key_states.device)
-        self.kq = get_quantizer(self.key_spec, self.backend, layer=self.layer_idx, device=device)
-        self.vq = self.kq if self.same_spec else get_quantizer(self.value_spec, self.backend, layer=self.layer_idx, device=device)
+        self.kq = get_quantizer(self.key_spec, self._backend_for(self.key_spec, key_states, device), layer=self.layer_idx,
+                                device=device)
+        self.vq = self.kq if self.same_spec else get_quantizer(
+            self.value_spec, self._backend_for(self.value_spec, key_states, device), layer=self.layer_idx, device=device)
+
+    def _backend_for(self, spec: MethodSpec, key_states: torch.Tensor, device: str) -> str:
+        """The backend named, or for "auto" one whose first call does not wait for a compiler
+        (:func:`kvq_core.compile_ahead.select_backend`)."""
+        if self.backend != "auto":
+            return self.backend
+        kv_heads = key_states.shape[1]
+        q_heads = getattr(self._config, "num_attention_heads", None) or kv_heads
+        return compile_ahead.select_backend(spec, device, kv_heads, q_heads)
 
     def check_step(self, key_states: Any, value_states: Any) -> None:
         """Reject a step's K/V before anything is stored (window included): torch tensors of rank 4
