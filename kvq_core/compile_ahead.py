@@ -120,8 +120,9 @@ def _alive(pid: int) -> bool:
 def start(spec: MethodSpec, backend: str, directory: Path, kv_heads: int, q_heads: int, meanwhile: str) -> int | None:
     """Start (once per process, and not while another process compiles the same) a background
     ``python -m kvq_core.compile_ahead watch ...`` that compiles ``spec`` on ``backend`` in a child of its
-    own while this process is idle (:func:`watch`) and marks it compiled; says so on stderr. Returns the
-    watcher's process id, or None where one was already running."""
+    own while this process (and any other that falls back meanwhile: listed in a ``.users`` file beside
+    the lock) is idle (:func:`watch`) and marks it compiled; says so on stderr. Returns the watcher's
+    process id, or None where one was already running."""
     key = _key(spec, backend)
     with _lock:
         if key in _started:
@@ -132,12 +133,16 @@ def start(spec: MethodSpec, backend: str, directory: Path, kv_heads: int, q_head
             pid = int(lock.read_text() or 0) if lock.is_file() else 0
         except (OSError, ValueError):
             pid = 0
-        if pid and _alive(pid):
+        users = directory / f"{key}.users"
+        if pid and _alive(pid):  # another process's compile: it must rest while this one computes too
             _started[key] = pid
+            with open(users, "a") as f:
+                f.write(f"{os.getpid()}\n")
             return None
+        users.write_text(f"{os.getpid()}\n")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kvq_core.compile_ahead", "watch", str(os.getpid()), str(lock),
+            proc = subprocess.Popen([sys.executable, "-m", "kvq_core.compile_ahead", "watch", str(users), str(lock),
                                      backend, spec.to_json(), str(kv_heads), str(q_heads)],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -163,20 +168,33 @@ def _cpu_seconds(pid: int) -> float | None:
 POLL_S, BUSY = 0.1, 0.1
 
 
-def watch(user_pid: int, compiler: subprocess.Popen) -> int:
-    """Let ``compiler`` run only while process ``user_pid`` is idle (it used under :data:`BUSY` of a core over the
-    last :data:`POLL_S`) or gone: stopped (SIGSTOP) while it computes, continued (SIGCONT) when it rests. A
+def _pids(users: Path) -> list[int]:
+    """The process ids listed in ``users``, one a line (none when it cannot be read)."""
+    try:
+        return [int(x) for x in users.read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def watch(users: Path, compiler: subprocess.Popen) -> int:
+    """Let ``compiler`` run only while every process listed in ``users`` (the one that started it, and any that
+    chose the fallback while it runs) is idle (each used under :data:`BUSY` of a core over the last
+    :data:`POLL_S`) or gone: stopped (SIGSTOP) while one computes, continued (SIGCONT) when all rest. A
     multi-threaded torch process slows down many times over when another process holds a core, even at the
     lowest priority: its threads meet at a barrier after every op. Without ``/proc``, the compiler just runs.
     Returns the compiler's exit status."""
     import signal
 
-    last, stopped = _cpu_seconds(user_pid), False
+    last: dict[int, float | None] = {}
+    stopped = False
     while compiler.poll() is None:
         time.sleep(POLL_S)
-        now = _cpu_seconds(user_pid)
-        busy = now is not None and last is not None and now - last > BUSY * POLL_S
-        last = now
+        busy = False
+        for pid in _pids(users):
+            now = _cpu_seconds(pid)
+            before = last.get(pid)
+            busy |= now is not None and before is not None and now - before > BUSY * POLL_S
+            last[pid] = now
         if busy != stopped:
             compiler.send_signal(signal.SIGSTOP if busy else signal.SIGCONT)
             stopped = busy
@@ -193,17 +211,18 @@ def _yield_cpu() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The background processes. ``watch USER_PID LOCK BACKEND SPEC_JSON KV_HEADS Q_HEADS``: run the compile
-    below while ``USER_PID`` is idle (:func:`watch`), then drop the lock. ``compile BACKEND SPEC_JSON KV_HEADS
+    """The background processes. ``watch USERS LOCK BACKEND SPEC_JSON KV_HEADS Q_HEADS``: run the compile
+    below while the processes listed in ``USERS`` are idle (:func:`watch`), then drop the lock. ``compile BACKEND SPEC_JSON KV_HEADS
     Q_HEADS``: :func:`warm` at idle priority and mark the spec compiled."""
     mode, *args = argv if argv is not None else sys.argv[1:]
     if mode == "watch":
-        user_pid, lock, rest = int(args[0]), Path(args[1]), args[2:]
+        users, lock, rest = Path(args[0]), Path(args[1]), args[2:]
         try:
             compiler = subprocess.Popen([sys.executable, "-m", "kvq_core.compile_ahead", "compile", *rest])
-            return watch(user_pid, compiler)
+            return watch(users, compiler)
         finally:
             lock.unlink(missing_ok=True)
+            users.unlink(missing_ok=True)
     backend, spec_json, kv_heads, q_heads = args
     _yield_cpu()
     spec = registry.spec_from_dict(json.loads(spec_json))

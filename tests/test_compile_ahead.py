@@ -85,9 +85,11 @@ def test_a_running_background_compile_is_not_started_twice(empty_cache: Path) ->
     compile_ahead.select_backend(SPEC, "cpu")
     (pid,) = compile_ahead._started.values()
     try:
-        compile_ahead._started.clear()  # another process: sees the lock of a live compile
+        compile_ahead._started.clear()  # another process: sees the lock of a live compile, and joins its users
         assert compile_ahead.start(SPEC, "numba", cache_stamp.package_cache_dir(), 3, 9, "torch") is None
         assert compile_ahead._started == {compile_ahead._key(SPEC, "numba"): pid}
+        users = cache_stamp.package_cache_dir() / f"{compile_ahead._key(SPEC, 'numba')}.users"
+        assert compile_ahead._pids(users) == [os.getpid(), os.getpid()]
     finally:
         _stop(pid)
 
@@ -118,19 +120,21 @@ def test_the_background_process_compiles_and_marks_the_spec(tmp_path: Path) -> N
     lock.write_text("1")
     try:
         t0 = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "kvq_core.compile_ahead", "watch", str(os.getpid()), str(lock), "numba",
+        users = tmp_path / "x.users"
+        users.write_text(f"{os.getpid()}\n")
+        out = subprocess.run([sys.executable, "-m", "kvq_core.compile_ahead", "watch", str(users), str(lock), "numba",
                               spec.to_json(), "3", "9"],
                              env=env, capture_output=True, text=True, timeout=1200)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "attend_window ..." in out.stdout and "attend ..." in out.stdout and "compiled in" in out.stdout
-        assert cache.ready(spec, "cpu") and not lock.exists(), time.perf_counter() - t0
+        assert cache.ready(spec, "cpu") and not lock.exists() and not users.exists(), time.perf_counter() - t0
     finally:
         mark.unlink(missing_ok=True)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="the watcher reads /proc")
-def test_the_compiler_runs_only_while_the_users_process_is_idle() -> None:
-    """A busy user process stops the compiler (SIGSTOP), an idle one lets it run, and it finishes."""
+def test_the_compiler_runs_only_while_the_users_processes_are_idle(tmp_path: Path) -> None:
+    """A busy user process stops the compiler (SIGSTOP), idle ones let it run, and it finishes."""
     import threading
 
     user = subprocess.Popen([sys.executable, "-c", "import sys, time\nt = time.time()\nwhile time.time() - t < 1.5: pass\n"
@@ -140,8 +144,10 @@ def test_the_compiler_runs_only_while_the_users_process_is_idle() -> None:
     def state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
 
+    users = tmp_path / "x.users"
+    users.write_text(f"{os.getpid()}\n{user.pid}\n")  # this process waits (idle); the other computes, then rests
     result: list[int] = []
-    watcher = threading.Thread(target=lambda: result.append(compile_ahead.watch(user.pid, compiler)))
+    watcher = threading.Thread(target=lambda: result.append(compile_ahead.watch(users, compiler)))
     watcher.start()
     try:
         time.sleep(0.8)  # the user's process is busy: the compiler is stopped
