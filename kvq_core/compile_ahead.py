@@ -90,7 +90,10 @@ def select_backend(spec: MethodSpec, device: str | None, kv_heads: int = KV_HEAD
     spec or ``KVQ_COMPILE=foreground``."""
     chosen = registry.select_backend(spec, device)
     cache = compile_cache(chosen)
-    if cache is None or cache.ready(spec, device) or os.environ.get(ENV, "background") == "foreground":
+    if cache is None or os.environ.get(ENV, "background") == "foreground":
+        return chosen
+    register(cache.directory())  # a compile running now, or started below, rests while this process computes
+    if cache.ready(spec, device):
         return chosen
     try:
         fallback = registry.select_backend(spec, device, exclude=(chosen,))
@@ -120,9 +123,8 @@ def _alive(pid: int) -> bool:
 def start(spec: MethodSpec, backend: str, directory: Path, kv_heads: int, q_heads: int, meanwhile: str) -> int | None:
     """Start (once per process, and not while another process compiles the same) a background
     ``python -m kvq_core.compile_ahead watch ...`` that compiles ``spec`` on ``backend`` in a child of its
-    own while this process (and any other that falls back meanwhile: listed in a ``.users`` file beside
-    the lock) is idle (:func:`watch`) and marks it compiled; says so on stderr. Returns the watcher's
-    process id, or None where one was already running."""
+    own while the processes using the backend are idle (:func:`watch`, :func:`register`) and marks it
+    compiled; says so on stderr. Returns the watcher's process id, or None where one was already running."""
     key = _key(spec, backend)
     with _lock:
         if key in _started:
@@ -133,16 +135,12 @@ def start(spec: MethodSpec, backend: str, directory: Path, kv_heads: int, q_head
             pid = int(lock.read_text() or 0) if lock.is_file() else 0
         except (OSError, ValueError):
             pid = 0
-        users = directory / f"{key}.users"
-        if pid and _alive(pid):  # another process's compile: it must rest while this one computes too
+        if pid and _alive(pid):  # another process's compile (which rests while this one computes: register)
             _started[key] = pid
-            with open(users, "a") as f:
-                f.write(f"{os.getpid()}\n")
             return None
-        users.write_text(f"{os.getpid()}\n")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kvq_core.compile_ahead", "watch", str(users), str(lock),
+            proc = subprocess.Popen([sys.executable, "-m", "kvq_core.compile_ahead", "watch", str(directory / USERS), str(lock),
                                      backend, spec.to_json(), str(kv_heads), str(q_heads)],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -168,6 +166,30 @@ def _cpu_seconds(pid: int) -> float | None:
 POLL_S, BUSY = 0.1, 0.1
 
 
+#: the file, in a compile cache's directory, that lists the processes a background compile rests for
+USERS = "compile.users"
+_registered: set[Path] = set()
+
+
+def register(directory: Path) -> None:
+    """List this process (once) among those the background compiles in ``directory`` rest for: every
+    process that picks a backend through :func:`select_backend` there, so a compile started by one
+    process does not slow another one's torch threads."""
+    with _lock:
+        if directory in _registered:
+            return
+        users = directory / USERS
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if users.is_file() and users.stat().st_size > 4096:  # keep it short: the live ones only
+                users.write_text("".join(f"{pid}\n" for pid in _pids(users) if _alive(pid)))
+            with open(users, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        except OSError:
+            return
+        _registered.add(directory)
+
+
 def _pids(users: Path) -> list[int]:
     """The process ids listed in ``users``, one a line (none when it cannot be read)."""
     try:
@@ -177,8 +199,7 @@ def _pids(users: Path) -> list[int]:
 
 
 def watch(users: Path, compiler: subprocess.Popen) -> int:
-    """Let ``compiler`` run only while every process listed in ``users`` (the one that started it, and any that
-    chose the fallback while it runs) is idle (each used under :data:`BUSY` of a core over the last
+    """Let ``compiler`` run only while every process listed in ``users`` (:func:`register`) is idle (each used under :data:`BUSY` of a core over the last
     :data:`POLL_S`) or gone: stopped (SIGSTOP) while one computes, continued (SIGCONT) when all rest. A
     multi-threaded torch process slows down many times over when another process holds a core, even at the
     lowest priority: its threads meet at a barrier after every op. Without ``/proc``, the compiler just runs.
@@ -216,13 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     Q_HEADS``: :func:`warm` at idle priority and mark the spec compiled."""
     mode, *args = argv if argv is not None else sys.argv[1:]
     if mode == "watch":
+        import signal
+
         users, lock, rest = Path(args[0]), Path(args[1]), args[2:]
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the compiler goes too, never left stopped
+        compiler = subprocess.Popen([sys.executable, "-m", "kvq_core.compile_ahead", "compile", *rest])
         try:
-            compiler = subprocess.Popen([sys.executable, "-m", "kvq_core.compile_ahead", "compile", *rest])
             return watch(users, compiler)
         finally:
+            if compiler.poll() is None:
+                compiler.kill()
             lock.unlink(missing_ok=True)
-            users.unlink(missing_ok=True)
     backend, spec_json, kv_heads, q_heads = args
     _yield_cpu()
     spec = registry.spec_from_dict(json.loads(spec_json))
