@@ -27,7 +27,8 @@ from kvq_torch.common import (
     unpack_codes,
     window_attend,
 )
-from kvq_torch.rotation import normalize_rotate, rotate, rotate_queries, sqrt_rn, unrotate, unrotate_output
+from kvq_torch.rotation import (by_kv_head, from_kv_head, normalize_rotate, rotate, rotate_queries, sqrt_rn, unrotate,
+                                unrotate_output)
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,15 +201,21 @@ class OctopusTorch(TorchMethod):
     def attend_window(self, q: torch.Tensor, blocks: Sequence[tuple[Fields, Fields, int]], window_k: torch.Tensor,
                       window_v: torch.Tensor, ctx: TorchContext, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks and the exact window in one softmax, in the rotated domain (as :meth:`attend`): the
-        blocks' keys and values are never un-rotated, the window is rotated in and the output back once."""
-        kv_heads = window_k.shape[1]
+        blocks' keys and values are never un-rotated, the window is rotated in and the output back once,
+        each a product with R's matrix (one transform of the identity, not one per operand: a decode
+        step's operands are a few rows each, where a transform costs its per-op overhead)."""
+        b, kv_heads, w, d = window_k.shape
+        rows = rotate(torch.eye(d, dtype=torch.float32, device=window_k.device).expand(1, kv_heads, d, d), ctx.consts)[0]
         rotated_values = self.spec.values != "fp16"
         ks, vs = [], []
         for kfields, vfields, _ in blocks:
             ks.append(kfields["norm"].unsqueeze(-1) * decode_rotated(kfields, self.spec, ctx.consts))
             vs.append(vfields["norm"].unsqueeze(-1) * decode_rotated(vfields, self.spec, ctx.consts) if rotated_values
                       else vfields["data"].to(torch.float32))
-        ks.append(rotate(window_k, ctx.consts))
-        vs.append(rotate(window_v, ctx.consts) if rotated_values else window_v.to(torch.float32))
-        out, lse = window_attend(rotate_queries(q, ctx.consts, kv_heads), torch.cat(ks, 2), torch.cat(vs, 2), scale)
-        return (unrotate_output(out, ctx.consts, kv_heads) if rotated_values else out), lse
+        ks.append(torch.matmul(window_k.to(torch.float32), rows))
+        vs.append(torch.matmul(window_v.to(torch.float32), rows) if rotated_values else window_v.to(torch.float32))
+        q_rot = from_kv_head(torch.matmul(by_kv_head(q.to(torch.float32), kv_heads), rows), tuple(q.shape))
+        out, lse = window_attend(q_rot, torch.cat(ks, 2), torch.cat(vs, 2), scale)
+        if rotated_values:
+            out = from_kv_head(torch.matmul(by_kv_head(out, kv_heads), rows.transpose(-1, -2)), tuple(out.shape))
+        return out, lse
