@@ -1,8 +1,8 @@
 """The plugin registry: a pluggy PluginManager that collects methods, backends and kernels.
 
 Every plugin, built-in or third-party, is a module named in the ``kvq.plugins`` entry-point
-group. kvq's own entries (``pyproject.toml``: the method catalogue, numpy, torch) are the
-built-ins, always loaded (:func:`builtin_plugins` says where they are read from); other
+group. kvq's own entries (``pyproject.toml``: the method catalogue, numpy, torch, triton, numba) are
+the built-ins, always loaded (:func:`builtin_plugins` says where they are read from); other
 distributions' entries load unless ``KVQ_DISABLE_PLUGINS=1``. Hooks run in two passes: every
 plugin's methods and backends, then every plugin's kernels for backends registered by others
 (``kvq_register_kernels``), so a plugin may add kernels to any backend whatever the load order.

@@ -19,7 +19,7 @@ Adding a method (e.g. ``octopus``):
    ``decode_keys``, ``encode_values``, ``decode_values`` and ``attend`` on torch tensors.
    Port the NumPy reference (``kvq_numpy/octopus.py``) op for op in float32 with the helpers of
    :mod:`kvq_torch.common` (``pack_codes``/``unpack_codes``, ``fwht``, ``codebook_quantize``
-   = ``np.searchsorted(side="right")``, ``l2_norm``/``tree_sum``/``sqrt32``, ``softmax_attend``). The
+   = ``np.searchsorted(side="right")``, ``tree_sum``/``sqrt32``, ``softmax_attend``). The
    constants arrive as tensors in ``ctx.consts`` (same names as the core's ``spec.constants``).
    No NumPy, no ``.item()``/Python branches on tensor values, return fresh tensors with the
    layout's exact dtypes and shapes.

@@ -356,12 +356,6 @@ def sqrt32(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x.to(torch.float64)).to(torch.float32)
 
 
-def l2_norm(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """float32 Euclidean norm over ``dim``: :func:`tree_sum` (order-fixed) and :func:`sqrt32`."""
-    x = x.to(torch.float32)
-    return sqrt32(tree_sum(x * x, dim))
-
-
 # --------------------------------------------------------------------------------------------
 # attention
 # --------------------------------------------------------------------------------------------

@@ -194,7 +194,6 @@ class _Pair:
         self.qb = Quantizer(case.spec, backend, case.layer)
         self.qr = Quantizer(case.spec, reference, case.layer)
         self.ab = self.qb.arrays
-        self.ar = self.qr.arrays
         self._to_backend = to_backend
 
     def to_backend(self, a: np.ndarray, dtype: str | None = None) -> Any:

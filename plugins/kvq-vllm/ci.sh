@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvq-vllm CI: a separate virtual environment with vLLM's CPU build (its transformers pin must not
 # constrain kvq's own), SmolLM2 converted once to fp32 weights vLLM can load, then the plugin's tests.
-# Usage: bash plugins/kvq-vllm/ci.sh   (from anywhere)
+# Usage: bash plugins/kvq-vllm/ci.sh [--prepare]   (from anywhere; --prepare: the environment and the
+# model only, no tests)
 # The environment and the model are cached outside the checkout (KVQ_VLLM_CACHE, default
 # ~/.cache/kvq-vllm) and rebuilt only when missing; kvq and the plugin are reinstalled from this
 # checkout every run (editable, no dependencies).
@@ -29,6 +30,7 @@ say "environment ready: $("$venv/bin/python" -c 'import vllm, torch; print("vllm
 
 "$venv/bin/python" "$plugin/convert_model.py" "$model"
 say "model ready: $model"
+if [ "${1:-}" = "--prepare" ]; then exit 0; fi
 
 cd "$plugin"
 set +e
