@@ -176,8 +176,6 @@ def unpack_rows(codes, t0, n, bits, count, out) -> None:
 
 #: rows transformed together by :func:`fwht_block`
 FWHT_ROWS = 32
-#: rows per slab that the callers of :func:`fwht_block` prepare at once (bounded scratch)
-CHUNK = 1024
 
 
 @njit(cache=True)

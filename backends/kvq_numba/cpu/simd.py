@@ -41,7 +41,7 @@ class I32x(types.Type):
 
 
 f32x8, f32x16 = F32x(8), F32x(16)
-i32x8, i32x16 = I32x(8), I32x(16)
+i32x16 = I32x(16)
 
 
 @register_model(F32x)
