@@ -20,6 +20,7 @@ first call whether numba would have to compile; the marks are dropped with the k
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -85,6 +86,7 @@ def package_cache_dir(root: Path = PACKAGE) -> Path:
     return root / "__pycache__"
 
 
+@functools.lru_cache(maxsize=1)
 def _host_cpu() -> str:
     """The host CPU as Numba's cache index keys it (name and features): a mark holds on this CPU only."""
     import llvmlite.binding as llvm
