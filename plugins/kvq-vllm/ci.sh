@@ -13,6 +13,9 @@ cache="${KVQ_VLLM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvq-vllm}"
 venv="${VENV:-$cache/venv}"
 model="${MODEL_DIR:-$cache/smollm2-fp32}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
+# vLLM pins its own Numba, whose cache index files the checkout's __pycache__ would share with kvq's
+# environment: each version resets the other's index, so both would compile every kernel afresh.
+export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$cache/numba}"
 start=$(date +%s)
 say() { echo "kvq-vllm CI: $* ($(( $(date +%s) - start )) s)"; }
 
