@@ -199,7 +199,7 @@ class OctopusNumba(DeviceRouted):
             bits, table = self._books(ctx.consts)
             return cpu_attend_octopus.octopus_window(
                 as_float32(q), as_float32(window_k), as_float32(window_v), signs, self.inv_sqrt_d, bufs, desc, tokens,
-                nseg, self.values_fp16, bits, table, np.float32(scale), split, chunks)
+                nseg, self.values_fp16, bits, table, np.float32(scale), split, chunks, cpu_attend_octopus.WIDE)
         to_keys, back = self.domains(ctx.consts)
         qo = cpu_window.grouped_queries(as_float32(q), hk)
         qc = to_keys(qo[None])[0]

@@ -56,14 +56,6 @@ def _floats(buf, words, addr, n, scratch, out) -> None:
             out[i] = view[0]
 
 
-@njit(cache=True)
-def octopus_jobs(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
-                 scale, pm, pl, pacc) -> None:
-    """:func:`octopus_jobs_at` at this host's width (:data:`WIDE`, fixed when this compiles)."""
-    octopus_jobs_at(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
-                    scale, pm, pl, pacc, WIDE)
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def octopus_jobs_at(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
                     scale, pm, pl, pacc, wide) -> None:
@@ -158,15 +150,16 @@ WINDOW_BLOCKS = 3
 
 @njit(cache=True)
 def octopus_window(q, tk, tv, signs, inv_sqrt_d, bufs, desc, tokens, nseg, values_fp16, bits, code_table, scale, split,
-                   chunks):
+                   chunks, wide):
     """``(out [b, q_heads, q_len, d], lse [b, q_heads, q_len])``: a decode step over the first ``nseg`` (at most
     :data:`WINDOW_BLOCKS`) contiguous OCTOPUS blocks then the exact window ``tk`` / ``tv`` float32 [b, kv_heads,
     w, d], in one compiled call: what :func:`kvq_numba.cpu.window.run` does with :func:`octopus_jobs_at` (queries
     grouped and rotated into the keys' domain, ``H diag(s_h) q``; the codes' partials brought back, ``diag(s_h)
     H``, unless the values are float16 rows; the window's jobs; one combine) without its Python steps and
     their kernel launches. Block ``s`` has ``tokens[s]`` tokens, its five field buffers in ``bufs[s]`` and its
-    descriptor rows in ``desc[s]`` (:func:`contiguous_block`); ``signs`` float32 [kv_heads, d]. The width is this
-    host's (:data:`WIDE`, fixed when this compiles)."""
+    descriptor rows in ``desc[s]`` (:func:`contiguous_block`); ``signs`` float32 [kv_heads, d]. ``wide``: the
+    16-lane tiles (:data:`WIDE` on this host), an argument as in :func:`contiguous_jobs`, so both share one
+    compiled :func:`octopus_jobs_at` (a constant here would type as a literal and compile it a second time)."""
     b, hq, lq, d = q.shape
     nhk, w = tk.shape[1], tk.shape[2]
     g = hq // nhk
@@ -181,7 +174,7 @@ def octopus_window(q, tk, tv, signs, inv_sqrt_d, bufs, desc, tokens, nseg, value
     for s in range(nseg):
         kc, kn, vc, vn, vh = bufs[s]
         octopus_jobs_at(qc, local[s], first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc[s], values_fp16, bits,
-                        code_table, scale, pm, pl, pacc, WIDE)
+                        code_table, scale, pm, pl, pacc, wide)
     if not values_fp16:  # partials from the values' domain back to the original one (linear)
         flat = pacc.reshape(jobs.shape[0] * ROWS, d)
         fwht_block(flat, flat, inv_sqrt_d)
@@ -195,7 +188,7 @@ def octopus_window(q, tk, tv, signs, inv_sqrt_d, bufs, desc, tokens, nseg, value
 
 def contiguous_block(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16):
     """``(buffers, desc)``: one contiguous block's five field buffers (flat bytes, no copy) and their descriptor
-    rows, as :func:`octopus_jobs` reads them (the trivial page table: request ``b`` is batch element ``b``)."""
+    rows, as :func:`octopus_jobs_at` reads them (the trivial page table: request ``b`` is batch element ``b``)."""
     desc = _contiguous_desc(kcodes.shape[1], kcodes.shape[2], kcodes.shape[3], vcodes.shape[3], vhalf.shape[3],
                             bool(values_fp16))
     return (_bytes(kcodes), _bytes(kgamma), _bytes(vcodes), _bytes(vgamma), _bytes(vhalf)), desc
@@ -231,7 +224,7 @@ def contiguous_jobs(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, ta
 
 def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
     """OCTOPUS attention of rotated queries ``q`` float32 [b, hk, rows, d] over triplet codes: the
-    contiguous blocks as the trivial page table of :func:`octopus_jobs`.
+    contiguous blocks as the trivial page table of :func:`octopus_jobs_at`.
 
     Values: ``vgamma * v_hat`` (rotated domain; the caller un-rotates the output) or, when
     ``values_fp16``, the float16 rows ``vhalf`` (uint16 bits [b, hk, t, d], original domain).
