@@ -1,6 +1,6 @@
 """``kvq::attend_paged`` on the Numba CPU kernels: OScaR and KIVI at 2 and 4 bits
 (:func:`kvq_numba.cpu.attend_planes.planes_jobs`) and OCTOPUS
-(:func:`kvq_numba.cpu.attend_octopus.octopus_jobs`) read the pages through the block table, the same
+(:func:`kvq_numba.cpu.attend_octopus.octopus_jobs_at`) read the pages through the block table, the same
 kernels that serve contiguous blocks (the trivial page table). Other specs, and CUDA tensors (numba's
 CUDA kernels have no paged variant), take the torch fallback (``kvq_torch.paged``, through the table).
 
@@ -51,12 +51,14 @@ DENSE_MIN_QUERY = 16
 
 def flat_pages(pages: torch.Tensor) -> tuple[np.ndarray, tuple[int, int, int]]:
     """The bytes ``pages`` spans, as one flat NumPy view, and its (block, head, token) strides (a
-    contiguous copy first when its rows are not contiguous or a stride is negative)."""
+    contiguous copy first when its rows are not contiguous or a stride is negative). The view is
+    writeable, as the contiguous blocks' buffers are (the kernels only read it): a read-only array is
+    another Numba type, and every kernel would compile a second time for the pages."""
     if pages.stride(3) != 1 or min(pages.stride()) < 0:
         pages = pages.contiguous()
     arr = pages.numpy()
     span = 1 + sum((n - 1) * s for n, s in zip(pages.shape, pages.stride()))
-    flat = np.lib.stride_tricks.as_strided(arr, shape=(span,), strides=(1,), writeable=False)
+    flat = np.lib.stride_tricks.as_strided(arr, shape=(span,), strides=(1,))
     return flat, (pages.stride(0), pages.stride(1), pages.stride(2))
 
 
@@ -138,8 +140,8 @@ class PagedNumba:
 
             def octopus(flat, scale):  # noqa: ANN001, ANN202
                 def jobs_fn(q, jobs, first, row_lo, g, tab, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
-                    cpu_attend_octopus.octopus_jobs(q, jobs, first, row_lo, g, tab, chunks, flat, flat, flat, flat, flat, desc,
-                                                    fp16, bits, table, scale, pm, pl, pacc)
+                    cpu_attend_octopus.octopus_jobs_at(q, jobs, first, row_lo, g, tab, chunks, flat, flat, flat, flat, flat,
+                                                       desc, fp16, bits, table, scale, pm, pl, pacc, cpu_attend_octopus.WIDE)
                 return jobs_fn
             return octopus, cpu_attend_octopus.BLOCK
         impl = self.impl
