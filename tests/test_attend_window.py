@@ -26,6 +26,20 @@ from kvq_core.errors import BackendUnavailableError, InputError
 #: the child process of test_triton_under_interpreter checks the Triton backend, this one the CPU backends
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["triton"] if INTERPRETING else ["numba", "torch"]
+
+
+def _int_code_widths() -> list:
+    """Both SIMD widths of the int-code kernels; the one this host does not run compiles kernels of its own
+    (about two minutes on 2 cores), so that case is in the slow tier."""
+    try:
+        import llvmlite.binding as llvm
+        host_wide = bool(llvm.get_host_cpu_features().get("avx512f", False))
+    except ImportError:
+        host_wide = False
+    return [pytest.param(wide, id=name, marks=() if wide == host_wide else pytest.mark.slow)
+            for wide, name in ((False, "8-lane"), (True, "16-lane"))]
+
+
 CASES = [("oscar", {"bits": 2}), ("oscar", {"bits": 4, "token_scaling": False}), ("kivi", {"bits": 2}),
          ("octopus", {"bits": 3}), ("octopus", {"bits": 2, "values": "fp16"}), ("turboquant", {"bits": 3})]
 
@@ -105,13 +119,13 @@ def test_numba_one_call_equals_its_plan_path(monkeypatch, method, params, length
             np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["8-lane", "16-lane"])
+@pytest.mark.parametrize("wide", _int_code_widths())
 @pytest.mark.parametrize("method,params,lengths", [("oscar", {"bits": 2}, (160, 64)),
                                                     ("oscar", {"bits": 4, "token_scaling": False}, (160, 64, 33)),
                                                     ("kivi", {"bits": 2}, (33,))], ids=["oscar-2blocks", "oscar4-3blocks", "kivi-33"])
 def test_numba_int_code_logits_at_both_widths(monkeypatch, wide, method, params, lengths):
     """numba's int-code logits in 8- and 16-lane vectors (an AVX-512 host takes 16 where a key code row is whole
-    16-byte chunks, :data:`kvq_numba.cpu.attend_planes.WIDE`; passed to the kernel as an argument, so both run on
+    16-byte chunks, :data:`kvq_numba.cpu.attend_planes.WIDE`; the kernels are built per width, so both run on
     any host): each equals the reference, in the one call and the plan path, a 1-token key group included."""
     pytest.importorskip("numba")
     from kvq_numba.cpu import attend_planes

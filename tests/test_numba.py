@@ -29,7 +29,7 @@ def test_kernels_compile_once_per_signature(monkeypatch) -> None:
 
     monkeypatch.setattr(intcodes, "PLANES_MIN_TOKENS", 1)  # the vector kernel's path too
     testing.check_method("numba", "oscar", max_examples=4, errors=False)
-    for kernel in (attend.attend_int_codes, attend_planes.planes_jobs, paged.plan, paged.combine,
+    for kernel in (attend.attend_int_codes, attend_planes.jobs_kernel(attend_planes.WIDE), paged.plan, paged.combine,
                    intquant.encode_token_groups,
                    intquant.decode_channel_groups):
         assert 1 <= len(kernel.signatures) <= 2, (kernel, kernel.signatures)

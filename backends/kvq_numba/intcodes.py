@@ -179,14 +179,14 @@ class IntCodesNumba(DeviceRouted):
     def attend_window(self, q: Any, blocks: list[tuple[Fields, Fields, int]], window_k: Any, window_v: Any,
                       ctx: KernelContext, scale: float) -> tuple[np.ndarray, np.ndarray]:
         """Packed blocks then an exact window in one plan and one combine: one or two blocks (a KVQCache
-        layer at almost every decode step) in one compiled call (:func:`kvq_numba.cpu.attend_planes.planes_window`),
+        layer at almost every decode step) in one compiled call (:func:`kvq_numba.cpu.attend_planes.window_kernel`),
         more through :func:`kvq_numba.cpu.window.run`."""
         b, hq, lq, d = q.shape
         work = b * hq * lq * (ctx.shape[2] + window_k.shape[2]) * d
         return threads.run(work, self._attend_window, q, blocks, window_k, window_v, ctx.shape[1], scale)
 
     def _plan_planes(self, blocks: list[tuple[Fields, Fields, int]], b: int, lq: int, g: int, hk: int) -> tuple[Any, ...]:
-        """What :func:`kvq_numba.cpu.attend_planes.planes_window` takes from one or two blocks alone: their field
+        """What :func:`kvq_numba.cpu.attend_planes.window_kernel`'s kernel takes from one or two blocks alone: their field
         buffers and descriptors, token counts, and the token split for ``b`` x ``lq`` x ``g`` query rows."""
         prepared = [cpu_attend_planes.contiguous_block(*self._block_args(kf, vf, 1.0)) for kf, vf, _ in blocks]
         prepared += prepared[:1] * (2 - len(prepared))  # an absent second block: 0 tokens, never read
@@ -204,11 +204,10 @@ class IntCodesNumba(DeviceRouted):
             if planned is None:
                 planned = memo[(_PLANES, b, lq, g)] = self._plan_planes(blocks, b, lq, g, hk)
             prepared, tokens, split, chunks = planned
-            return cpu_attend_planes.planes_window(
+            return cpu_attend_planes.window_kernel(cpu_attend_planes.WIDE)(
                 as_float32(q), as_float32(window_k), as_float32(window_v), self.rotation, self.inv_sqrt_d,
                 (prepared[0][0], prepared[1][0]), (prepared[0][1], prepared[1][1]), tokens,
-                self.token_scaling, self.bits, self.key_group, self.value_group, np.float32(scale), split, chunks,
-                cpu_attend_planes.WIDE)
+                self.token_scaling, self.bits, self.key_group, self.value_group, np.float32(scale), split, chunks)
         to_keys, back = self.domains(None)
         qo = cpu_window.grouped_queries(as_float32(q), hk)
         qc = to_keys(qo[None])[0]

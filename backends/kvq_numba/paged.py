@@ -1,5 +1,5 @@
 """``kvq::attend_paged`` on the Numba CPU kernels: OScaR and KIVI at 2 and 4 bits
-(:func:`kvq_numba.cpu.attend_planes.planes_jobs`) and OCTOPUS
+(:func:`kvq_numba.cpu.attend_planes.jobs_kernel`) and OCTOPUS
 (:func:`kvq_numba.cpu.attend_octopus.octopus_jobs_at`) read the pages through the block table, the same
 kernels that serve contiguous blocks (the trivial page table). Other specs, and CUDA tensors (numba's
 CUDA kernels have no paged variant), take the torch fallback (``kvq_torch.paged``, through the table).
@@ -140,8 +140,9 @@ class PagedNumba:
 
             def octopus(flat, scale):  # noqa: ANN001, ANN202
                 def jobs_fn(q, jobs, first, row_lo, g, tab, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
-                    cpu_attend_octopus.octopus_jobs_at(q, jobs, first, row_lo, g, tab, chunks, flat, flat, flat, flat, flat,
-                                                       desc, fp16, bits, table, scale, pm, pl, pacc, cpu_attend_octopus.WIDE)
+                    cpu_attend_octopus.octopus_jobs_at(q, jobs, first, row_lo, g, tab, chunks, flat, flat, flat, flat,
+                                                       flat, desc, fp16, bits, table, scale, pm, pl, pacc,
+                                                       cpu_attend_octopus.WIDE)
                 return jobs_fn
             return octopus, cpu_attend_octopus.BLOCK
         impl = self.impl
@@ -154,10 +155,11 @@ class PagedNumba:
             desc[cpu_attend_planes.F_KN] = self._desc(layout, "keys", "norm", strides)
 
         def planes(flat, scale):  # noqa: ANN001, ANN202
+            kernel = cpu_attend_planes.jobs_kernel(cpu_attend_planes.WIDE)
+
             def jobs_fn(q, jobs, first, row_lo, g, tab, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
-                cpu_attend_planes.planes_jobs(q, jobs, first, row_lo, g, tab, chunks, flat, flat, flat, flat, flat, flat, flat,
-                                              desc, impl.token_scaling, impl.bits, impl.key_group, impl.value_group,
-                                              scale, pm, pl, pacc, cpu_attend_planes.WIDE)
+                kernel(q, jobs, first, row_lo, g, tab, chunks, flat, flat, flat, flat, flat, flat, flat, desc,
+                       impl.token_scaling, impl.bits, impl.key_group, impl.value_group, scale, pm, pl, pacc)
             return jobs_fn
         return planes, int(cpu_attend_planes.block_tokens(impl.key_group))
 

@@ -177,21 +177,11 @@ def _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, nr, b16, t4, 
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _logits_rows(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, nr, wide, b16, t4, o16) -> None:
-    """:func:`_logits` (:func:`_logits16` when ``wide``) for a tile of ``nr`` real rows, one inlined copy per
-    row count and width, itself inlined into the kernel: called once per key group, its array arguments
-    cost an atomic reference-count pair each per call (~12% of the fused call at OScaR INT2's 32-token
-    groups); inlined, the kernel compiles ~70 s longer (~160 s on an AVX-512 Xeon)."""
-    if wide:
-        if nr >= 4:
-            _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 4, b16, t4, o16)
-        elif nr == 3:
-            _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 3, b16, t4, o16)
-        elif nr == 2:
-            _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 2, b16, t4, o16)
-        else:
-            _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 1, b16, t4, o16)
-    elif nr >= 4:
+def _logits_rows8(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, nr) -> None:
+    """:func:`_logits` for a tile of ``nr`` real rows, one inlined copy per row count, itself inlined into the
+    kernel: called once per key group, its array arguments would cost an atomic reference-count pair each per
+    call (~12% of the fused call at OScaR INT2's 32-token groups)."""
+    if nr >= 4:
         _logits(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, 4)
     elif nr == 3:
         _logits(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, 3)
@@ -199,6 +189,19 @@ def _logits_rows(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, nr, wide, 
         _logits(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, 2)
     else:
         _logits(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, 1)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _logits_rows16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, nr, b16, t4, o16) -> None:
+    """:func:`_logits16` for a tile of ``nr`` real rows (as :func:`_logits_rows8`)."""
+    if nr >= 4:
+        _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 4, b16, t4, o16)
+    elif nr == 3:
+        _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 3, b16, t4, o16)
+    elif nr == 2:
+        _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 2, b16, t4, o16)
+    else:
+        _logits16(qs, d, kc, ka, ilo, ihi, rb, bits, bias, tok, p, pf, 1, b16, t4, o16)
 
 
 @njit(cache=True, inline="always")
@@ -283,27 +286,31 @@ def _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr
             vaccumulate16(acc, 3 * d + pos, a3)
 
 
-@njit(fastmath=True, cache=True, inline="always")
-def _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr, wide) -> None:
-    """:func:`_weighted_values16` when ``wide``, else :func:`_weighted_values` (``nr`` a constant per copy)."""
-    if wide:
-        _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr)
+@njit(fastmath=True, cache=True)
+def _weighted_values_rows8(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr) -> None:
+    """:func:`_weighted_values` for a tile of ``nr`` real rows, one inlined copy per row count (a called
+    function: called once per block, its arguments cost little)."""
+    if nr >= 4:
+        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 4)
+    elif nr == 3:
+        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 3)
+    elif nr == 2:
+        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 2)
     else:
-        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr)
+        _weighted_values(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 1)
 
 
 @njit(fastmath=True, cache=True)
-def _weighted_values_rows(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr, wide) -> None:
-    """:func:`_weighted_values` (:func:`_weighted_values16` when ``wide``) for a tile of ``nr`` real rows, one
-    inlined copy per row count and width (as :func:`_logits_rows`)."""
+def _weighted_values_rows16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, nr) -> None:
+    """:func:`_weighted_values16` for a tile of ``nr`` real rows (as :func:`_weighted_values_rows8`)."""
     if nr >= 4:
-        _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 4, wide)
+        _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 4)
     elif nr == 3:
-        _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 3, wide)
+        _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 3)
     elif nr == 2:
-        _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 2, wide)
+        _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 2)
     else:
-        _weighted_values_width(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 1, wide)
+        _weighted_values16(pw, sb, vc, va, n, rb, bits, chunks_per_group, acc, d, 1)
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -426,116 +433,142 @@ def block_tokens(kgroup):
     return kgroup * max(1, BLOCK // kgroup)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc, use_norm, bits, kgroup,
-                vgroup, scale, pm, pl, pacc, wide) -> None:
-    """The CODES jobs of a plan (:func:`kvq_numba.cpu.paged.plan`) over 2- and 4-bit code rows that
-    :func:`fits`: partial softmax state of rotated queries ``q`` [kv_heads, rows, d] (channel order)
-    over the job's tokens, causal per row, fields read through ``table`` and ``desc`` (one row per
-    buffer ``kc .. vo``: key codes, key scale, key offset, token norm, value codes, scale, offset).
-    The jobs run as ``chunks`` interleaved chunks, each allocating its scratch once (a decode step's
-    jobs are small: allocating per job cost about a third of their time)."""
-    nhk, nrow, d = q.shape
-    rb = d * bits // 8
-    nvg = d // vgroup
-    chunks_per_group = vgroup // (64 // bits)
-    sb = block_tokens(kgroup)
-    ps = -(-sb // LANES) * LANES  # the row stride of p, pw, vst and vot: whole vectors (_block_weights)
-    mid = _code_centre(bits)[1]
-    order = plane_order(d, bits, 8)  # values, and the output's channel order
-    kwide = wide and rb % 16 == 0  # the logits' width (the values take any row in 16 lanes)
-    korder = plane_order(d, bits, 16) if kwide else order  # queries and key scales
-    nch = max(1, min(chunks, jobs.shape[0]))
-    for ch in prange(nch):
-        lim = np.empty(ROWS, np.int64)
-        qo = np.empty(ROWS * d, np.float32)  # channel order
-        m = np.empty(ROWS, np.float32)
-        l = np.empty(ROWS, np.float32)
-        acc = np.empty(ROWS * d, np.float32)
-        qp = np.empty(ROWS * d, np.float32)  # plane order
-        qs = np.empty(ROWS * d, np.float32)
-        bias = np.empty(ROWS, np.float32)
-        kstat = np.empty(2 * d, np.uint8)
-        nbuf = np.empty(4, np.uint8)
-        nval = nbuf.view(np.float32)
-        knw = kn[:kn.shape[0] - kn.shape[0] % 4].view(np.float32)
-        ksf = np.empty(d, np.float32)
-        kof = np.empty(d, np.float32)
-        ksp = np.empty(d, np.float32)
-        ka = np.empty(sb, np.int64)
-        va = np.empty(sb, np.int64)
-        sa = np.empty(sb, np.int64)
-        oa = np.empty(sb, np.int64)
-        na = np.empty(sb, np.int64)
-        sbytes = np.empty(2 * nvg * sb, np.uint8)
-        obytes = np.empty(2 * nvg * sb, np.uint8)
-        vsf = np.empty(nvg * sb, np.float32)
-        vof = np.empty(nvg * sb, np.float32)
-        vst = np.zeros(nvg * ps, np.float32)  # zeros: padding lanes are read (times weight 0)
-        vot = np.zeros(nvg * ps, np.float32)
-        pw = np.empty(nvg * ROWS * ps, np.float32)
-        vbias = np.empty((ROWS, nvg), np.float32)
-        p = np.zeros((ROWS, ps), np.float32)
-        tok = np.empty(sb, np.float32)
-        out = np.empty(ROWS * d, np.float32)  # channel order, value offsets added
-        b16 = np.empty(16, np.float32)  # the 16-lane logits' scratch
-        t4 = np.empty(4, np.float32)
-        o16 = np.empty(16, np.float32)
-        # every view a loop would take, taken once: each view costs an atomic reference count pair
-        # (at one per token and key group they were ~12% of the call)
-        pf = p.reshape(p.size)
-        kstat16 = kstat.view(np.uint16)
-        ks16 = ks[:ks.shape[0] - ks.shape[0] % 2].view(np.uint16)
-        ko16 = ko[:ko.shape[0] - ko.shape[0] % 2].view(np.uint16)
-        dkc, dvc, dvs, dvo, dkn, dks, dko = desc[F_KC], desc[F_VC], desc[F_VS], desc[F_VO], desc[F_KN], desc[F_KS], desc[F_KO]
-        for job in range(ch, jobs.shape[0], nch):
-            if jobs[job, J_KIND] != CODES:
-                continue
-            req, h, nr = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_NROWS]
-            start_job(q, jobs, job, first, row_lo, g, lim, qo, m, l, acc)
-            vbias[:] = 0
-            bias[:] = 0
-            for j in range(ROWS * d):  # plane order (zeros past the job's rows, as qo)
-                qp[j] = qo[j - j % d + korder[j % d]]
-            for t0 in range(jobs[job, J_T0], jobs[job, J_T1], sb):
-                n = min(sb, jobs[job, J_T1] - t0)
-                token_rows(table, req, h, t0, n, dkc, ka)
-                token_rows(table, req, h, t0, n, dvc, va)
-                token_rows(table, req, h, t0, n, dvs, sa)
-                token_rows(table, req, h, t0, n, dvo, oa)
-                token_halves(vs, sa, n, nvg, sbytes, vsf)
-                token_halves(vo, oa, n, nvg, obytes, vof)
-                _group_major(vsf, vof, mid, n, nvg, ps, vst, vot)
-                if use_norm:
-                    token_rows(table, req, 0, t0, n, dkn, na)
-                    _token_factors(kn, knw, na, n, dkn, scale, nbuf, nval, tok)
-                else:
-                    for i in range(n):
-                        tok[i] = scale
-                if t0 + sb < jobs[job, J_T1]:  # the next block's rows, where they follow on (contiguous blocks)
-                    prefetch_bytes(kc, ka[n - 1] + rb, n * rb)
-                    prefetch_bytes(vc, va[n - 1] + rb, n * rb)
-                    prefetch_bytes(vs, sa[n - 1] + 2 * nvg, n * 2 * nvg)
-                    prefetch_bytes(vo, oa[n - 1] + 2 * nvg, n * 2 * nvg)
+def _jobs_kernel(wide: bool):  # noqa: ANN202
+    """:func:`planes_jobs` for one width, ``wide`` (the logits where rows allow, and ``P @ V``, in 16-lane
+    vectors) a constant of the compiled kernel: Numba prunes the other width's branches before typing, so
+    a host compiles only the width it runs (half the inlined tiles)."""
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc, use_norm, bits, kgroup,
+                    vgroup, scale, pm, pl, pacc) -> None:
+        """The CODES jobs of a plan (:func:`kvq_numba.cpu.paged.plan`) over 2- and 4-bit code rows that
+        :func:`fits`: partial softmax state of rotated queries ``q`` [kv_heads, rows, d] (channel order)
+        over the job's tokens, causal per row, fields read through ``table`` and ``desc`` (one row per
+        buffer ``kc .. vo``: key codes, key scale, key offset, token norm, value codes, scale, offset).
+        The jobs run as ``chunks`` interleaved chunks, each allocating its scratch once (a decode step's
+        jobs are small: allocating per job cost about a third of their time). Compiled per width
+        (:func:`jobs_kernel`)."""
+        nhk, nrow, d = q.shape
+        rb = d * bits // 8
+        nvg = d // vgroup
+        chunks_per_group = vgroup // (64 // bits)
+        sb = block_tokens(kgroup)
+        ps = -(-sb // LANES) * LANES  # the row stride of p, pw, vst and vot: whole vectors (_block_weights)
+        mid = _code_centre(bits)[1]
+        order = plane_order(d, bits, 8)  # values, and the output's channel order
+        kwide = False  # the logits' width (the values take any row in 16 lanes)
+        korder = order  # queries and key scales
+        if wide:  # a constant: the 8-lane kernel compiles no 16-lane code
+            if rb % 16 == 0:
+                kwide = True
+                korder = plane_order(d, bits, 16)
+        nch = max(1, min(chunks, jobs.shape[0]))
+        for ch in prange(nch):
+            lim = np.empty(ROWS, np.int64)
+            qo = np.empty(ROWS * d, np.float32)  # channel order
+            m = np.empty(ROWS, np.float32)
+            l = np.empty(ROWS, np.float32)
+            acc = np.empty(ROWS * d, np.float32)
+            qp = np.empty(ROWS * d, np.float32)  # plane order
+            qs = np.empty(ROWS * d, np.float32)
+            bias = np.empty(ROWS, np.float32)
+            kstat = np.empty(2 * d, np.uint8)
+            nbuf = np.empty(4, np.uint8)
+            nval = nbuf.view(np.float32)
+            knw = kn[:kn.shape[0] - kn.shape[0] % 4].view(np.float32)
+            ksf = np.empty(d, np.float32)
+            kof = np.empty(d, np.float32)
+            ksp = np.empty(d, np.float32)
+            ka = np.empty(sb, np.int64)
+            va = np.empty(sb, np.int64)
+            sa = np.empty(sb, np.int64)
+            oa = np.empty(sb, np.int64)
+            na = np.empty(sb, np.int64)
+            sbytes = np.empty(2 * nvg * sb, np.uint8)
+            obytes = np.empty(2 * nvg * sb, np.uint8)
+            vsf = np.empty(nvg * sb, np.float32)
+            vof = np.empty(nvg * sb, np.float32)
+            vst = np.zeros(nvg * ps, np.float32)  # zeros: padding lanes are read (times weight 0)
+            vot = np.zeros(nvg * ps, np.float32)
+            pw = np.empty(nvg * ROWS * ps, np.float32)
+            vbias = np.empty((ROWS, nvg), np.float32)
+            p = np.zeros((ROWS, ps), np.float32)
+            tok = np.empty(sb, np.float32)
+            out = np.empty(ROWS * d, np.float32)  # channel order, value offsets added
+            b16 = np.empty(16, np.float32)  # the 16-lane logits' scratch
+            t4 = np.empty(4, np.float32)
+            o16 = np.empty(16, np.float32)
+            # every view a loop would take, taken once: each view costs an atomic reference count pair
+            # (at one per token and key group they were ~12% of the call)
+            pf = p.reshape(p.size)
+            kstat16 = kstat.view(np.uint16)
+            ks16 = ks[:ks.shape[0] - ks.shape[0] % 2].view(np.uint16)
+            ko16 = ko[:ko.shape[0] - ko.shape[0] % 2].view(np.uint16)
+            dkc, dvc, dvs, dvo, dkn, dks, dko = desc[F_KC], desc[F_VC], desc[F_VS], desc[F_VO], desc[F_KN], desc[F_KS], desc[F_KO]
+            for job in range(ch, jobs.shape[0], nch):
+                if jobs[job, J_KIND] != CODES:
+                    continue
+                req, h, nr = jobs[job, J_REQ], jobs[job, J_HEAD], jobs[job, J_NROWS]
+                start_job(q, jobs, job, first, row_lo, g, lim, qo, m, l, acc)
+                vbias[:] = 0
+                bias[:] = 0
+                for j in range(ROWS * d):  # plane order (zeros past the job's rows, as qo)
+                    qp[j] = qo[j - j % d + korder[j % d]]
+                for t0 in range(jobs[job, J_T0], jobs[job, J_T1], sb):
+                    n = min(sb, jobs[job, J_T1] - t0)
+                    token_rows(table, req, h, t0, n, dkc, ka)
+                    token_rows(table, req, h, t0, n, dvc, va)
+                    token_rows(table, req, h, t0, n, dvs, sa)
+                    token_rows(table, req, h, t0, n, dvo, oa)
+                    token_halves(vs, sa, n, nvg, sbytes, vsf)
+                    token_halves(vo, oa, n, nvg, obytes, vof)
+                    _group_major(vsf, vof, mid, n, nvg, ps, vst, vot)
                     if use_norm:
-                        prefetch_bytes(kn, na[n - 1] + 4, n * 4)
-                i = 0
-                while i < n:  # one key group at a time
-                    grp = (t0 + i) // kgroup
-                    i_end = min((grp + 1) * kgroup - t0, n)
-                    key_stats(ks, ks16, table, req, h, grp, dks, d, kstat, kstat16, ksf)
-                    key_stats(ko, ko16, table, req, h, grp, dko, d, kstat, kstat16, kof)
-                    _fold_key_group(qo, qp, ksf, kof, mid, korder, qs, bias, ksp, nr)
-                    _logits_rows(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, pf, nr, kwide, b16, t4, o16)
-                    i = i_end
-                mask_block(p, n, t0, lim)
-                _block_weights(pf, ps, n, nr, m, l, acc, d, vbias, vst, vot, nvg, pw)
-                _weighted_values_rows(pw, ps, vc, va, n, rb, bits, chunks_per_group, acc, d, nr, wide)
-            for r in range(ROWS):
-                for j in range(d):
-                    c = order[j]
-                    out[r * d + c] = acc[r * d + j] + vbias[r, c // vgroup]
-            store_partial(job, m, l, out, pm, pl, pacc)
+                        token_rows(table, req, 0, t0, n, dkn, na)
+                        _token_factors(kn, knw, na, n, dkn, scale, nbuf, nval, tok)
+                    else:
+                        for i in range(n):
+                            tok[i] = scale
+                    if t0 + sb < jobs[job, J_T1]:  # the next block's rows, where they follow on (contiguous blocks)
+                        prefetch_bytes(kc, ka[n - 1] + rb, n * rb)
+                        prefetch_bytes(vc, va[n - 1] + rb, n * rb)
+                        prefetch_bytes(vs, sa[n - 1] + 2 * nvg, n * 2 * nvg)
+                        prefetch_bytes(vo, oa[n - 1] + 2 * nvg, n * 2 * nvg)
+                        if use_norm:
+                            prefetch_bytes(kn, na[n - 1] + 4, n * 4)
+                    i = 0
+                    while i < n:  # one key group at a time
+                        grp = (t0 + i) // kgroup
+                        i_end = min((grp + 1) * kgroup - t0, n)
+                        key_stats(ks, ks16, table, req, h, grp, dks, d, kstat, kstat16, ksf)
+                        key_stats(ko, ko16, table, req, h, grp, dko, d, kstat, kstat16, kof)
+                        _fold_key_group(qo, qp, ksf, kof, mid, korder, qs, bias, ksp, nr)
+                        if wide and kwide:
+                            _logits_rows16(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, pf, nr, b16, t4, o16)
+                        else:
+                            _logits_rows8(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, nr)
+                        i = i_end
+                    mask_block(p, n, t0, lim)
+                    _block_weights(pf, ps, n, nr, m, l, acc, d, vbias, vst, vot, nvg, pw)
+                    if wide:
+                        _weighted_values_rows16(pw, ps, vc, va, n, rb, bits, chunks_per_group, acc, d, nr)
+                    else:
+                        _weighted_values_rows8(pw, ps, vc, va, n, rb, bits, chunks_per_group, acc, d, nr)
+                for r in range(ROWS):
+                    for j in range(d):
+                        c = order[j]
+                        out[r * d + c] = acc[r * d + j] + vbias[r, c // vgroup]
+                store_partial(job, m, l, out, pm, pl, pacc)
+    return planes_jobs
+
+
+#: :func:`planes_jobs` in 8-lane and in 16-lane vectors
+planes_jobs8, planes_jobs16 = _jobs_kernel(False), _jobs_kernel(True)
+
+
+def jobs_kernel(wide: bool):  # noqa: ANN201
+    """The CODES jobs kernel at a width (:data:`WIDE` on this host; the conformance suite runs both on any host)."""
+    return planes_jobs16 if wide else planes_jobs8
 
 
 def contiguous_block(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
@@ -569,42 +602,59 @@ def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, vo
                                   vgroup, scale)
     scale = np.float32(scale)
 
+    kernel = jobs_kernel(WIDE)
+
     def jobs_fn(qh, jobs, first, row_lo, g, table, chunks, pm, pl, pacc):  # noqa: ANN001, ANN202
-        planes_jobs(qh, jobs, first, row_lo, g, table, chunks, *bufs, desc, use_norm, bits, kgroup, vgroup, scale, pm, pl, pacc,
-                    WIDE)
+        kernel(qh, jobs, first, row_lo, g, table, chunks, *bufs, desc, use_norm, bits, kgroup, vgroup, scale, pm, pl, pacc)
     return jobs_fn, int(block_tokens(kgroup))
 
 
-@njit(cache=True)
-def planes_window(q, tk, tv, rotate, inv_sqrt_d, bufs, desc, tokens, use_norm, bits, kgroup, vgroup, scale, split,
-                  chunks, wide):
-    """``(out [b, q_heads, q_len, d], lse [b, q_heads, q_len])``: a decode step over up to two contiguous
-    blocks then the exact window ``tk`` / ``tv`` float32 [b, kv_heads, w, d], in one compiled call.
-    Block ``s`` (``s < 2``) has ``tokens[s]`` tokens (0: absent), its seven field buffers in
-    ``bufs[s]`` and its descriptor rows in ``desc[s]`` (:func:`contiguous_block`). It does what
-    :func:`kvq_numba.cpu.window.run` does for a list of blocks (group the queries, rotate them into the
-    keys' domain when ``rotate``, plan, CODES jobs, their partials rotated back, TAIL jobs, combine,
-    ungroup) without its Python-level steps and their kernel launches (~120 us a call). A KVQCache layer
-    holds one or two blocks at almost every step (:data:`kvq_core.integrations.hf.flush.JOIN_RATIO`).
-    ``wide``: the logits (where rows allow) and ``P @ V`` in 16-lane vectors (:data:`WIDE` on this host; an
-    argument, not the global, so that the conformance suite runs both paths on any host)."""
-    b, hq, lq, d = q.shape
-    nhk, w = tk.shape[1], tk.shape[2]
-    g = hq // nhk
-    qo = group_rows(q, nhk)
-    qc = qo.copy()
-    if rotate:
-        fwht_block(qc.reshape(nhk * b * lq * g, d), qc.reshape(nhk * b * lq * g, d), inv_sqrt_d)
-    nseg = 2 if tokens[1] > 0 else 1
-    coded, jobs, groups, local, first, row_lo, table, pm, pl, pacc = block_plan(b, lq, g, nhk, d, tokens, nseg, w, split)
-    for s in range(nseg):
-        kc, ks, ko, kn, vc, vs, vo = bufs[s]
-        planes_jobs(qc, local[s], first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc[s], use_norm, bits,
-                    kgroup, vgroup, scale, pm, pl, pacc, wide)
-    if rotate:  # partials from the values' domain back to the original one (linear: unnormalised is fine)
-        flat = pacc.reshape(jobs.shape[0] * ROWS, d)
-        fwht_block(flat, flat, inv_sqrt_d)
-    return finish(qo, jobs, groups, first, row_lo, g, chunks, coded, tk, tv, scale, pm, pl, pacc, b, lq)
+def _window_kernel(wide: bool):  # noqa: ANN202
+    """:func:`planes_window` for one width (a constant, as in :func:`_jobs_kernel`)."""
+
+    @njit(cache=True)
+    def planes_window(q, tk, tv, rotate, inv_sqrt_d, bufs, desc, tokens, use_norm, bits, kgroup, vgroup, scale, split,
+                      chunks):
+        """``(out [b, q_heads, q_len, d], lse [b, q_heads, q_len])``: a decode step over up to two contiguous
+        blocks then the exact window ``tk`` / ``tv`` float32 [b, kv_heads, w, d], in one compiled call.
+        Block ``s`` (``s < 2``) has ``tokens[s]`` tokens (0: absent), its seven field buffers in
+        ``bufs[s]`` and its descriptor rows in ``desc[s]`` (:func:`contiguous_block`). It does what
+        :func:`kvq_numba.cpu.window.run` does for a list of blocks (group the queries, rotate them into the
+        keys' domain when ``rotate``, plan, CODES jobs (:func:`jobs_kernel`), their partials rotated back, TAIL jobs, combine,
+        ungroup) without its Python-level steps and their kernel launches (~120 us a call). A KVQCache layer
+        holds one or two blocks at almost every step (:data:`kvq_core.integrations.hf.flush.JOIN_RATIO`).
+        Compiled per width (:func:`window_kernel`)."""
+        b, hq, lq, d = q.shape
+        nhk, w = tk.shape[1], tk.shape[2]
+        g = hq // nhk
+        qo = group_rows(q, nhk)
+        qc = qo.copy()
+        if rotate:
+            fwht_block(qc.reshape(nhk * b * lq * g, d), qc.reshape(nhk * b * lq * g, d), inv_sqrt_d)
+        nseg = 2 if tokens[1] > 0 else 1
+        coded, jobs, groups, local, first, row_lo, table, pm, pl, pacc = block_plan(b, lq, g, nhk, d, tokens, nseg, w, split)
+        for s in range(nseg):
+            kc, ks, ko, kn, vc, vs, vo = bufs[s]
+            if wide:  # a constant, as in _jobs_kernel
+                planes_jobs16(qc, local[s], first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc[s], use_norm,
+                              bits, kgroup, vgroup, scale, pm, pl, pacc)
+            else:
+                planes_jobs8(qc, local[s], first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc[s], use_norm,
+                             bits, kgroup, vgroup, scale, pm, pl, pacc)
+        if rotate:  # partials from the values' domain back to the original one (linear: unnormalised is fine)
+            flat = pacc.reshape(jobs.shape[0] * ROWS, d)
+            fwht_block(flat, flat, inv_sqrt_d)
+        return finish(qo, jobs, groups, first, row_lo, g, chunks, coded, tk, tv, scale, pm, pl, pacc, b, lq)
+    return planes_window
+
+
+#: :func:`planes_window` in 8-lane and in 16-lane vectors
+planes_window8, planes_window16 = _window_kernel(False), _window_kernel(True)
+
+
+def window_kernel(wide: bool):  # noqa: ANN201
+    """The fused decode step at a width (:data:`WIDE` on this host; the conformance suite runs both on any host)."""
+    return planes_window16 if wide else planes_window8
 
 
 def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
