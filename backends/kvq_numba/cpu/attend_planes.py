@@ -504,7 +504,8 @@ def _jobs_kernel(wide: bool):  # noqa: ANN202
             kstat16 = kstat.view(np.uint16)
             ks16 = ks[:ks.shape[0] - ks.shape[0] % 2].view(np.uint16)
             ko16 = ko[:ko.shape[0] - ko.shape[0] % 2].view(np.uint16)
-            dkc, dvc, dvs, dvo, dkn, dks, dko = desc[F_KC], desc[F_VC], desc[F_VS], desc[F_VO], desc[F_KN], desc[F_KS], desc[F_KO]
+            dkc, dvc, dvs, dvo = desc[F_KC], desc[F_VC], desc[F_VS], desc[F_VO]
+            dkn, dks, dko = desc[F_KN], desc[F_KS], desc[F_KO]
             for job in range(ch, jobs.shape[0], nch):
                 if jobs[job, J_KIND] != CODES:
                     continue
@@ -543,7 +544,7 @@ def _jobs_kernel(wide: bool):  # noqa: ANN202
                         key_stats(ks, ks16, table, req, h, grp, dks, d, kstat, kstat16, ksf)
                         key_stats(ko, ko16, table, req, h, grp, dko, d, kstat, kstat16, kof)
                         _fold_key_group(qo, qp, ksf, kof, mid, korder, qs, bias, ksp, nr)
-                        if wide and kwide:
+                        if wide and kwide:  # the constant first: at 8 lanes the 16-lane call is pruned before typing
                             _logits_rows16(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, pf, nr, b16, t4, o16)
                         else:
                             _logits_rows8(qs, d, kc, ka, i, i_end, rb, bits, bias, tok, p, nr)
@@ -620,8 +621,8 @@ def _window_kernel(wide: bool):  # noqa: ANN202
         Block ``s`` (``s < 2``) has ``tokens[s]`` tokens (0: absent), its seven field buffers in
         ``bufs[s]`` and its descriptor rows in ``desc[s]`` (:func:`contiguous_block`). It does what
         :func:`kvq_numba.cpu.window.run` does for a list of blocks (group the queries, rotate them into the
-        keys' domain when ``rotate``, plan, CODES jobs (:func:`jobs_kernel`), their partials rotated back, TAIL jobs, combine,
-        ungroup) without its Python-level steps and their kernel launches (~120 us a call). A KVQCache layer
+        keys' domain when ``rotate``, plan, CODES jobs (:func:`jobs_kernel`), their partials rotated back, TAIL
+        jobs, combine, ungroup) without its Python-level steps and their kernel launches (~120 us a call). A KVQCache layer
         holds one or two blocks at almost every step (:data:`kvq_core.integrations.hf.flush.JOIN_RATIO`).
         Compiled per width (:func:`window_kernel`)."""
         b, hq, lq, d = q.shape
