@@ -128,7 +128,7 @@ def test_onnxruntime_matches_reference(sessions, method, d, graphs):
 
 
 def test_no_kvq_node_and_constants_are_initializers(sessions, tmp_path):
-    """The attend graph holds only standard ONNX ops, its codebooks/signs as initializers."""
+    """The attend graph holds only standard ONNX ops, its codebooks (as one decode table) and signs as initializers."""
     q = get_quantizer("octopus", "numpy", head_dim=64)
     path = export(q, tmp_path / "a.onnx", "attend", kv_heads=KV_HEADS, q_heads=Q_HEADS)
     model = onnx.load(str(path))
@@ -136,7 +136,9 @@ def test_no_kvq_node_and_constants_are_initializers(sessions, tmp_path):
     domains = {n.domain for n in model.graph.node} | {n.domain for f in model.functions for n in f.node}
     assert domains <= {"", "ai.onnx"}, domains
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
-    assert "consts.directions" in inits and "consts.rho_codebook" in inits  # the codebooks, by name
+    consts = q.spec.constants(KV_HEADS, 0)  # the codebooks, as the decode table of every triplet code
+    table = (consts["directions"][:, None, :] * consts["rho_codebook"][None, :, None]).reshape(-1, 3)
+    assert any(a.shape == table.shape and np.array_equal(a, table) for a in inits.values())
     assert any(a.size == KV_HEADS * 64 and set(np.unique(a)) == {-1.0, 1.0} for a in inits.values())  # the signs
     inputs = {i.name: i for i in model.graph.input}
     assert list(inputs) == ["q", "keys_codes", "keys_norm", "values_codes", "values_norm"]

@@ -160,21 +160,25 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtype
         if c.shape[-1] != count:
             c = c[..., :count]
         return c.to(dtype)
-    return read_fields(packed, 0, bits, count).to(dtype)
+    return read_fields(packed, 0, bits, count, dtype)
 
 
-def read_fields(packed: torch.Tensor, start: int, bits: int, count: int) -> torch.Tensor:
-    """``count`` codes of ``bits`` bits (at most 56) from stream bit ``start`` on, as int64 ``(..., count)``:
-    each code's bytes gathered and read as one little-endian word (:func:`pack_codes`' stream order)."""
-    offsets = start + bits * torch.arange(count, dtype=torch.int64, device=packed.device)
-    span = (7 + bits + 7) // 8  # bytes a code can touch from any bit offset
-    index = (offsets // 8).unsqueeze(-1) + torch.arange(span, dtype=torch.int64, device=packed.device)
-    inside = index < packed.shape[-1]  # a code ending in the last byte reads past it: zeros there
-    raw = packed[..., index.clamp(max=packed.shape[-1] - 1)].to(torch.int64) * inside
+def read_fields(packed: torch.Tensor, start: int, bits: int, count: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``count`` codes of ``bits`` bits (at most 56) from stream bit ``start`` on, as ``dtype`` ``(..., count)``:
+    each code's bytes gathered (one ``index_select``) and read as one little-endian word (:func:`pack_codes`'
+    stream order), in int32 where a code's bytes fit in 24 bits."""
+    first = [(start + bits * i) // 8 for i in range(count)]
+    shift = [(start + bits * i) % 8 for i in range(count)]
+    span = (max(shift) + bits + 7) // 8 if count else 1  # bytes a code touches, at most
+    last = int(packed.shape[-1]) - 1  # a code that touches fewer reads a clamped byte its mask drops
+    index = torch.tensor([min(f + j, last) for f in first for j in range(span)], dtype=torch.int64, device=packed.device)
+    wide = torch.int32 if span <= 3 else torch.int64
+    raw = packed.index_select(-1, index).reshape(*packed.shape[:-1], count, span).to(wide)
     word = raw[..., 0]
     for j in range(1, span):
         word = word | (raw[..., j] << (8 * j))
-    return (word >> (offsets % 8)) & ((1 << bits) - 1)
+    codes = (word >> torch.tensor(shift, dtype=wide, device=packed.device)) & ((1 << bits) - 1)
+    return codes if codes.dtype == dtype else codes.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ from kvq_torch.common import (
     unpack_codes,
     window_attend,
 )
-from kvq_torch.rotation import (by_kv_head, from_kv_head, normalize_rotate, rotate, rotate_queries, sqrt_rn, unrotate,
-                                unrotate_output)
+from kvq_torch.rotation import (by_kv_head, from_kv_head, normalize_rotate, rotate_queries, rotation_rows, sqrt_rn,
+                                unrotate, unrotate_output)
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,11 +115,6 @@ def join(spec: OctopusSpec, direction: torch.Tensor, i_rho: torch.Tensor) -> tor
     return (direction << spec.rho_bits) | i_rho
 
 
-def split(spec: OctopusSpec, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`join`: (direction index, rho index)."""
-    return code >> spec.rho_bits, code & ((1 << spec.rho_bits) - 1)
-
-
 def encode(x: torch.Tensor, spec: OctopusSpec, consts: Consts) -> Fields:
     """Fields ``codes`` and ``norm`` of a block [b, h, t, d]; a zero vector gets gamma 0."""
     gamma, v = normalize_rotate(x, consts)
@@ -140,19 +135,24 @@ def to_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def unpack(fields: Fields, spec: OctopusSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The triplet codes and the scalar tail's codes (None without a scalar tail)."""
+    """The triplet codes and the scalar tail's codes (None without a scalar tail), int32."""
     if not spec.n_tail:
-        return unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets), None
+        return unpack_codes(fields["codes"], spec.triplet_bits, spec.n_triplets, torch.int32), None
     head = spec.n_triplets * spec.triplet_bits
-    return (read_fields(fields["codes"], 0, spec.triplet_bits, spec.n_triplets),
-            read_fields(fields["codes"], head, spec.bits, spec.n_tail))
+    return (read_fields(fields["codes"], 0, spec.triplet_bits, spec.n_triplets, torch.int32),
+            read_fields(fields["codes"], head, spec.bits, spec.n_tail, torch.int32))
+
+
+def triplet_table(consts: Consts) -> torch.Tensor:
+    """``[2**triplet_bits, 3]``: the decoded triplet rho_hat * n_hat of every code, row = the code
+    (:func:`join`'s order: direction index, then rho index), so decoding is one lookup per triplet."""
+    return (consts["directions"].unsqueeze(1) * consts["rho_codebook"].unsqueeze(-1)).reshape(-1, 3)
 
 
 def decode_rotated(fields: Fields, spec: OctopusSpec, consts: Consts) -> torch.Tensor:
     """The decoded unit vectors in the rotated domain, R u_hat, [b, h, t, d] (gamma not applied)."""
     codes, tail = unpack(fields, spec)
-    direction, i_rho = split(spec, codes)
-    t_hat = lookup(consts["rho_codebook"], i_rho).unsqueeze(-1) * lookup(consts["directions"], direction)
+    t_hat = lookup(triplet_table(consts), codes)
     v_hat = t_hat.reshape(*t_hat.shape[:-2], -1)[..., : spec.head_dim]
     if tail is None:
         return v_hat
@@ -201,21 +201,26 @@ class OctopusTorch(TorchMethod):
     def attend_window(self, q: torch.Tensor, blocks: Sequence[tuple[Fields, Fields, int]], window_k: torch.Tensor,
                       window_v: torch.Tensor, ctx: TorchContext, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks and the exact window in one softmax, in the rotated domain (as :meth:`attend`): the
-        blocks' keys and values are never un-rotated, the window is rotated in and the output back once,
-        each a product with R's matrix (one transform of the identity, not one per operand: a decode
-        step's operands are a few rows each, where a transform costs its per-op overhead)."""
-        b, kv_heads, w, d = window_k.shape
-        rows = rotate(torch.eye(d, dtype=torch.float32, device=window_k.device).expand(1, kv_heads, d, d), ctx.consts)[0]
+        blocks' codes are joined and decoded once per kind, never un-rotated; the window is rotated in
+        and the output back once, each a product with R's matrix (:func:`rotation_rows`)."""
+        kv_heads, d = window_k.shape[1], window_k.shape[3]
+        rows = rotation_rows(ctx.consts, d, window_k.device)
+        kfields, vfields = joined([k for k, _, _ in blocks]), joined([v for _, v, _ in blocks])
         rotated_values = self.spec.values != "fp16"
-        ks, vs = [], []
-        for kfields, vfields, _ in blocks:
-            ks.append(kfields["norm"].unsqueeze(-1) * decode_rotated(kfields, self.spec, ctx.consts))
-            vs.append(vfields["norm"].unsqueeze(-1) * decode_rotated(vfields, self.spec, ctx.consts) if rotated_values
-                      else vfields["data"].to(torch.float32))
-        ks.append(torch.matmul(window_k.to(torch.float32), rows))
-        vs.append(torch.matmul(window_v.to(torch.float32), rows) if rotated_values else window_v.to(torch.float32))
+        k = kfields["norm"].unsqueeze(-1) * decode_rotated(kfields, self.spec, ctx.consts)
+        v = (vfields["norm"].unsqueeze(-1) * decode_rotated(vfields, self.spec, ctx.consts) if rotated_values
+             else vfields["data"].to(torch.float32))
+        k = torch.cat((k, torch.matmul(window_k.to(torch.float32), rows)), 2)
+        v = torch.cat((v, torch.matmul(window_v.to(torch.float32), rows) if rotated_values else window_v.to(torch.float32)), 2)
         q_rot = from_kv_head(torch.matmul(by_kv_head(q.to(torch.float32), kv_heads), rows), tuple(q.shape))
-        out, lse = window_attend(q_rot, torch.cat(ks, 2), torch.cat(vs, 2), scale)
+        out, lse = window_attend(q_rot, k, v, scale)
         if rotated_values:
             out = from_kv_head(torch.matmul(by_kv_head(out, kv_heads), rows.transpose(-1, -2)), tuple(out.shape))
         return out, lse
+
+
+def joined(fields: Sequence[Fields]) -> Fields:
+    """Blocks' fields as one block's, joined on the token axis (one decode for all of them)."""
+    if len(fields) == 1:
+        return fields[0]
+    return {name: torch.cat([f[name] for f in fields], 2) for name in fields[0]}

@@ -19,11 +19,14 @@ reference agree. Pure tensor code: no NumPy, no branches on tensor values.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import numpy as np
 import torch
 
-from kvq_torch.common import Consts, fwht
+from kvq_core.math.hadamard import hadamard_block, sylvester_hadamard
+from kvq_torch.common import Consts, _inv_sqrt, fwht
 
 #: NumPy's pairwise summation: 8 accumulators up to this many terms, halving above it.
 _PW_BLOCK = 128
@@ -112,6 +115,25 @@ def unrotate(y: torch.Tensor, consts: Consts) -> torch.Tensor:
     if "signs" in consts:
         return signed_hadamard_inverse(y, consts["signs"])
     return y
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_matrix(d: int, device: str) -> torch.Tensor:
+    """``H_d`` (:func:`kvq_core.math.hadamard.sylvester_hadamard`) in float32 as :func:`fwht` computes it:
+    +-1 times float32(1/sqrt(B)), so ``x @ H_d`` uses exactly the entries of ``fwht(I)``."""
+    signs = torch.tensor(np.sign(sylvester_hadamard(d)), dtype=torch.float32)
+    return (signs * _inv_sqrt(hadamard_block(d))).to(device)
+
+
+def rotation_rows(consts: Consts, d: int, device: torch.device) -> torch.Tensor:
+    """R as ``[kv_heads, d, d]`` matrices acting on row vectors (``x @ rows = R x`` per kv head; ``rows``'
+    transpose un-rotates): one matmul rotates a decode step's few rows, where :func:`rotate`'s butterfly
+    would cost its per-op overhead. Eager code only (the Hadamard matrix is cached per device)."""
+    if "rotation" in consts:
+        return consts["rotation"].transpose(-1, -2).to(torch.float32)
+    if "signs" in consts:
+        return consts["signs"].to(torch.float32).unsqueeze(-1) * _hadamard_matrix(d, str(device))
+    return torch.eye(d, dtype=torch.float32, device=device).unsqueeze(0)
 
 
 def normalize_rotate(x: torch.Tensor, consts: Consts) -> tuple[torch.Tensor, torch.Tensor]:
