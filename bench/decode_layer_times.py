@@ -48,7 +48,7 @@ TIMED = [
     ("kvq_numba.cpu.window", "run"),
     ("kvq_numba.octopus", "cpu_attend_octopus.contiguous_jobs"),
     ("kvq_numba.octopus", "cpu_attend_octopus.octopus_window"),
-    ("kvq_numba.octopus", "cpu_octopus.encode"),
+    ("kvq_numba.octopus", "octopus_codes.encode"),
 ]
 
 

@@ -148,7 +148,7 @@ def test_turboquant_grouped_code_loads_conform_on_numba() -> None:
 def test_group_plans_place_every_code() -> None:
     """Each grouped width's plan reads code ``k`` of a group from bit ``k * bits`` of the group, inside one of
     at most two 8-byte loads, over whole bytes."""
-    from kvq_numba.cpu.octopus import GROUPED_WIDTHS, group_plan
+    from kvq_numba.cpu.octopus_codes import GROUPED_WIDTHS, group_plan
 
     for bits in GROUPED_WIDTHS:
         n, nb, loads, sel, shifts = group_plan(bits)

@@ -25,11 +25,11 @@ def test_the_vector_attend_kernel_conforms_too(monkeypatch, method) -> None:
 def test_kernels_compile_once_per_signature(monkeypatch) -> None:
     """Many conformance shapes/dtypes reuse one compiled specialisation per kernel (fixed dtypes)."""
     from kvq_numba import intcodes
-    from kvq_numba.cpu import attend, attend_planes, intquant, paged
+    from kvq_numba.cpu import attend, attend_planes, intquant, page_table
 
     monkeypatch.setattr(intcodes, "PLANES_MIN_TOKENS", 1)  # the vector kernel's path too
     testing.check_method("numba", "oscar", max_examples=4, errors=False)
-    for kernel in (attend.attend_int_codes, attend_planes.jobs_kernel(attend_planes.WIDE), paged.plan, paged.combine,
+    for kernel in (attend.attend_int_codes, attend_planes.jobs_kernel(attend_planes.WIDE), page_table.plan, page_table.combine,
                    intquant.encode_token_groups,
                    intquant.decode_channel_groups):
         assert 1 <= len(kernel.signatures) <= 2, (kernel, kernel.signatures)

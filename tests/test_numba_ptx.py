@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow  # slow tier: compiles every numba CUDA kernel to 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TARGETS = ((8, 0), (9, 0))
 #: kernels that make integer codes, so must round half to even (cvt.rni)
-ROUNDING = ("kvq_numba.gpu.intcodes:_quant_token_groups", "kvq_numba.gpu.intcodes:_quant_channel_groups")
-GPU_MODULES = ("kvq_numba.gpu.common", "kvq_numba.gpu.intcodes", "kvq_numba.gpu.octopus")
+ROUNDING = ("kvq_numba.gpu.intcodes_cuda:_quant_token_groups", "kvq_numba.gpu.intcodes_cuda:_quant_channel_groups")
+GPU_MODULES = ("kvq_numba.gpu.common", "kvq_numba.gpu.intcodes_cuda", "kvq_numba.gpu.octopus_cuda")
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     pytest.skip("the PTX gate compiles for real: run it without NUMBA_ENABLE_CUDASIM", allow_module_level=True)

@@ -35,8 +35,8 @@ def test_warmup_compiles_the_numba_kernels_a_cache_runs() -> None:
 
 def test_warmup_compiles_octopus_encode_for_blocks_and_for_one_token() -> None:
     pytest.importorskip("numba")
-    from kvq_numba.cpu import octopus
+    from kvq_numba.cpu import octopus_codes
 
     assert main(["warmup", "octopus:bits=3", "--head-dim", "64"]) == 0
-    for kernel in (octopus.encode_serial, octopus._triplet_codes, octopus.signed_units):  # a decode step's token; a prefill
+    for kernel in (octopus_codes.encode_serial, octopus_codes._triplet_codes, octopus_codes.signed_units):  # a decode step's token; a prefill
         assert kernel.signatures, kernel

@@ -3,7 +3,7 @@ groups, values per token over channel groups, optionally rotated (H) and token-n
 
 :class:`IntCodesNumba` reads the ingredients from the spec's
 :class:`~kvq_core.methods.intcodes.IntCodeRecipe` and runs NumPy/CPU input on the ``@njit`` kernels
-(:mod:`kvq_numba.cpu`); CUDA input goes to its twin :class:`kvq_numba.gpu.intcodes.IntCodesCuda`
+(:mod:`kvq_numba.cpu`); CUDA input goes to its twin :class:`kvq_numba.gpu.intcodes_cuda.IntCodesCuda`
 (:mod:`kvq_numba.route`). Recipes of another shape (QuaRot's clipped per-token key groups) are not
 served: ``plugin.supports`` keeps them out.
 """
@@ -49,7 +49,7 @@ class IntCodesNumba(DeviceRouted):
     The recipe's ingredients as the compiled kernels take them: ``bits``, ``key_group`` (tokens),
     ``value_group`` (channels), ``rotation``, ``token_scaling`` and ``zero_mode`` (rules.ZERO_*)."""
 
-    CUDA_TWIN = "kvq_numba.gpu.intcodes:IntCodesCuda"
+    CUDA_TWIN = "kvq_numba.gpu.intcodes_cuda:IntCodesCuda"
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec
@@ -158,7 +158,7 @@ class IntCodesNumba(DeviceRouted):
                 half_bits(vfields["offset"]), self.bits, self.key_group, self.value_group, np.float32(scale))
 
     def domains(self, consts: Any) -> tuple[Any, Any]:
-        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu.paged`): ``to_keys`` maps queries
+        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu.page_table`): ``to_keys`` maps queries
         ``[1, kv_heads, rows, d]`` into the keys' domain (H, or nothing); ``back(pacc, jobs)`` brings CODES
         jobs' partial outputs ``[jobs, ROWS * d]`` from the values' domain to the original one, in place
         (None: the same domain). ``consts`` is unused: the Hadamard has no per-layer constants."""

@@ -1,5 +1,5 @@
-"""The Numba kernels of OCTOPUS: NumPy/CPU input runs :mod:`kvq_numba.cpu.octopus` and the fused
-:func:`kvq_numba.cpu.attend_octopus.attend_octopus`; CUDA input runs :mod:`kvq_numba.gpu.octopus`
+"""The Numba kernels of OCTOPUS: NumPy/CPU input runs :mod:`kvq_numba.cpu.octopus_codes` and the fused
+:func:`kvq_numba.cpu.attend_octopus.attend_octopus`; CUDA input runs :mod:`kvq_numba.gpu.octopus_cuda`
 (:mod:`kvq_numba.route`)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvq_core.methods.octopus import OctopusSpec
 from kvq_numba import compile_notice, threads
 from kvq_numba.arrays import as_float32
 from kvq_numba.cpu import attend_octopus as cpu_attend_octopus
-from kvq_numba.cpu import octopus as cpu_octopus
+from kvq_numba.cpu import octopus_codes
 from kvq_numba.cpu import window as cpu_window
 from kvq_numba.cpu.common import fwht_heads, half_bits, inv_sqrt
 from kvq_numba.route import DeviceRouted
@@ -35,7 +35,7 @@ _WINDOW = "kvq_numba.octopus_window"
 class OctopusNumba(DeviceRouted):
     """OCTOPUS encode/decode/attend; keys (and octopus-coded values) stay rotated inside attend."""
 
-    CUDA_TWIN = "kvq_numba.gpu.octopus:OctopusCuda"
+    CUDA_TWIN = "kvq_numba.gpu.octopus_cuda:OctopusCuda"
 
     def __init__(self, spec: OctopusSpec) -> None:
         self.spec = spec
@@ -55,7 +55,7 @@ class OctopusNumba(DeviceRouted):
         dirs = consts["directions"]
         if self._table is None or self._table[0] is not dirs:
             s = self.spec
-            table = cpu_octopus.code_table(s.triplet_bits, s.eta_bits, s.rho_bits, consts["eta_codebook"].size,
+            table = octopus_codes.code_table(s.triplet_bits, s.eta_bits, s.rho_bits, consts["eta_codebook"].size,
                                            np.asarray(consts["rho_codebook"]), np.asarray(dirs))
             self._table = (dirs, table)
         return self.spec.triplet_bits, self._table[1]
@@ -74,11 +74,11 @@ class OctopusNumba(DeviceRouted):
         return self._enc[1]
 
     def _encode(self, x: Any, consts: Any) -> Fields:
-        codes, gamma = cpu_octopus.encode(as_float32(x), *self._encode_args(consts))
+        codes, gamma = octopus_codes.encode(as_float32(x), *self._encode_args(consts))
         return {"codes": codes, "norm": gamma}
 
     def _decode(self, fields: Fields, consts: Any) -> np.ndarray:
-        return cpu_octopus.decode(np.ascontiguousarray(fields["codes"]), as_float32(fields["norm"]),
+        return octopus_codes.decode(np.ascontiguousarray(fields["codes"]), as_float32(fields["norm"]),
                                   np.ascontiguousarray(consts["signs"]), self.inv_sqrt_d, *self._books(consts),
                                   self.spec.head_dim)
 
@@ -108,11 +108,11 @@ class OctopusNumba(DeviceRouted):
         b, hq, lq, d = q.shape
         hk = ctx.shape[1]
         signs = np.ascontiguousarray(ctx.consts["signs"])
-        qr = cpu_octopus.signed_rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d), signs, self.inv_sqrt_d)
+        qr = octopus_codes.signed_rotate(as_float32(q).reshape(b, hk, (hq // hk) * lq, d), signs, self.inv_sqrt_d)
         fp16 = self.values_fp16
         out, lse = cpu_attend_octopus.attend_octopus(qr, *self._block_args(kfields, vfields, ctx, scale))
         if not fp16:
-            out = cpu_octopus.signed_unrotate(out, signs, self.inv_sqrt_d)
+            out = octopus_codes.signed_unrotate(out, signs, self.inv_sqrt_d)
         return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
 
     def _block_args(self, kfields: Fields, vfields: Fields, ctx: KernelContext, scale: float) -> tuple[Any, ...]:
@@ -128,7 +128,7 @@ class OctopusNumba(DeviceRouted):
                 as_float32(vfields["norm"]), _NO_HALVES, False)
 
     def domains(self, consts: Any) -> tuple[Any, Any]:
-        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu.paged`) for one layer's
+        """``(to_keys, back)`` of the jobs machinery (:mod:`kvq_numba.cpu.page_table`) for one layer's
         ``consts``: ``to_keys`` maps queries ``[1, kv_heads, rows, d]`` to the keys' domain (signs, then
         H); ``back(pacc, jobs)`` brings CODES jobs' partial outputs ``[jobs, ROWS * d]`` from the values'
         domain to the original one in place (H, then the job's kv head's signs; None for fp16 values)."""
@@ -136,7 +136,7 @@ class OctopusNumba(DeviceRouted):
         inv, d = self.inv_sqrt_d, self.spec.head_dim
 
         def to_keys(x: np.ndarray) -> np.ndarray:
-            return cpu_octopus.signed_rotate(x, signs, inv)
+            return octopus_codes.signed_rotate(x, signs, inv)
 
         if self.values_fp16:
             return to_keys, None

@@ -12,7 +12,7 @@ exact tokens with the original queries straight from the staging buffer (by slot
 rotation of the tail), and a log-sum-exp combine merges each tile's jobs. Nothing loops over
 requests in Python. The plan depends only on the batch's lengths, so the layers of an engine step
 share it (kept for the next call with equal lengths, compared by value); a small call runs on one
-thread (:class:`kvq_numba.cpu.paged.Plan`).
+thread (:class:`kvq_numba.cpu.page_table.Plan`).
 
 **Many query tokens** (a prefill chunk, a prefix-cache tail, recompute): a request with at least
 :data:`DENSE_MIN_QUERY` query tokens is served by decoding its context to float32 K/V once (its
@@ -41,7 +41,7 @@ from kvq_core.spec import MethodSpec
 from kvq_numba import threads
 from kvq_numba.cpu import attend_octopus as cpu_attend_octopus
 from kvq_numba.cpu import attend_planes as cpu_attend_planes
-from kvq_numba.cpu import paged as cpu_paged
+from kvq_numba.cpu import page_table
 from kvq_numba.arrays import as_float32
 from kvq_numba.plugin import NAME, supports
 
@@ -75,7 +75,7 @@ class PagedNumba:
             self.fast = ok and cpu_attend_planes.fits(spec.bits, spec.head_dim, self.impl.value_group)
         self._layouts: dict[tuple[int, int], PageLayout] = {}
         self._setups: dict[tuple[int, ...], tuple[Any, ...]] = {}
-        self._last: tuple[Any, tuple[cpu_paged.Plan, np.ndarray, np.ndarray]] | None = None
+        self._last: tuple[Any, tuple[page_table.Plan, np.ndarray, np.ndarray]] | None = None
 
     def _layout(self, block_size: int, kv_heads: int) -> PageLayout:
         key = (block_size, kv_heads)
@@ -103,7 +103,7 @@ class PagedNumba:
 
     def _plan(self, query_start_loc: torch.Tensor, code_lens: torch.Tensor, tail_lens: torch.Tensor | None,
               tail_slot: torch.Tensor | None, g: int, kv_heads: int,
-              align: int) -> tuple[cpu_paged.Plan, np.ndarray, np.ndarray]:
+              align: int) -> tuple[page_table.Plan, np.ndarray, np.ndarray]:
         """``(plan of the requests the codes serve, dense request indices, query_start_loc as int64)`` of a
         call. Kept for the next call with equal lengths (compared by value, so never stale): a serving
         engine's layers share one per step."""
@@ -117,7 +117,7 @@ class PagedNumba:
         tail_n = tail_lens.numpy().astype(np.int64) if tail_lens is not None else np.zeros_like(code)
         slots = tail_slot.numpy().astype(np.int64) if tail_slot is not None else None
         dense = q_lens >= DENSE_MIN_QUERY
-        plan = cpu_paged.Plan(qsl[:-1] * g, np.where(dense, 0, q_lens), code, tail_n, code + tail_n - q_lens, g,
+        plan = page_table.Plan(qsl[:-1] * g, np.where(dense, 0, q_lens), code, tail_n, code + tail_n - q_lens, g,
                               kv_heads, self.spec.head_dim, align, slots)
         hit = (plan, np.flatnonzero(dense), qsl)
         self._last = (key, hit)
@@ -128,7 +128,7 @@ class PagedNumba:
         bytes are ``flat``."""
         if self.spec.method == "octopus":
             fp16 = self.spec.values == "fp16"
-            desc = np.zeros((5, cpu_paged.DESC), np.int64)
+            desc = np.zeros((5, page_table.DESC), np.int64)
             desc[cpu_attend_octopus.F_KC] = self._desc(layout, "keys", "codes", strides)
             desc[cpu_attend_octopus.F_KN] = self._desc(layout, "keys", "norm", strides)
             if fp16:
@@ -146,7 +146,7 @@ class PagedNumba:
                 return jobs_fn
             return octopus, cpu_attend_octopus.BLOCK
         impl = self.impl
-        desc = np.zeros((7, cpu_paged.DESC), np.int64)
+        desc = np.zeros((7, page_table.DESC), np.int64)
         for index, kind, name in ((cpu_attend_planes.F_KC, "keys", "codes"), (cpu_attend_planes.F_KS, "keys", "scale"),
                                   (cpu_attend_planes.F_KO, "keys", "offset"), (cpu_attend_planes.F_VC, "values", "codes"),
                                   (cpu_attend_planes.F_VS, "values", "scale"), (cpu_attend_planes.F_VO, "values", "offset")):
@@ -187,7 +187,7 @@ class PagedNumba:
             qh = np.ascontiguousarray(q.detach().to(torch.float32).numpy().reshape(n, hk, g, d).transpose(1, 0, 2, 3))
             qh = qh.reshape(hk, n * g, d)
             tails = None if tail_k is None else (as_float32(tail_k), as_float32(tail_v))
-            o, s = cpu_paged.run(qh, to_keys(qh[None])[0], plan, block_table.numpy().astype(np.int64),
+            o, s = page_table.run(qh, to_keys(qh[None])[0], plan, block_table.numpy().astype(np.int64),
                                  make_jobs(flat, np.float32(scale)), back, tails, np.float32(scale))
             out = torch.from_numpy(np.ascontiguousarray(o.reshape(hk, n, g, d).transpose(1, 0, 2, 3)).reshape(n, hq, d))
             lse = torch.from_numpy(np.ascontiguousarray(s.reshape(hk, n, g).transpose(1, 0, 2)).reshape(n, hq))

@@ -3,13 +3,13 @@ by the backend's own kernels and written byte for byte into the page rows at the
 any strides): no field tensors, no ``PageLayout.pack``, no torch indexing. Specs numba does not run
 and CUDA tensors take the torch writer (``kvq_torch.paged_write``, the reference, through the table).
 
-- OCTOPUS: one kernel per call, :func:`kvq_numba.cpu.paged_write.write_octopus`, encodes each
+- OCTOPUS: one kernel per call, :func:`kvq_numba.cpu.page_writes.write_octopus`, encodes each
   token's K and V rows straight into its page row. It runs once per layer and decode step (30
   layers, a few tokens each), so the Python around it is the minimum: its constants and columns
   are built once per (layer, head offset, page shape), a small write runs the single-threaded
   kernel (no thread-count switch), a large one the parallel kernel.
 - OScaR, KIVI: the encoders (:mod:`kvq_numba.intcodes`, whole key groups) then
-  :func:`kvq_numba.cpu.paged_write.scatter_rows` (a group's statistics striped over its rows).
+  :func:`kvq_numba.cpu.page_writes.scatter_rows` (a group's statistics striped over its rows).
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from kvq_core.paged import GROUP, HEADS, PageLayout, step_blocks
 from kvq_core.registry import kernel_factory
 from kvq_core.spec import MethodSpec
 from kvq_numba import threads
-from kvq_numba.cpu import paged_write as cpu_paged_write
+from kvq_numba.cpu import page_writes
 from kvq_numba.arrays import as_float32
 from kvq_numba.plugin import NAME, supports
 
-_STRIPES = {GROUP: cpu_paged_write.GROUP, HEADS: cpu_paged_write.HEADS}
+_STRIPES = {GROUP: page_writes.GROUP, HEADS: page_writes.HEADS}
 #: float16 values of an OCTOPUS spec whose values are coded (none)
 _NO_HALVES = np.zeros((0, 1, 1), np.uint16)
 
@@ -45,17 +45,17 @@ class PagedWriteNumba:
         self._octopus: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
 
     def _layout(self, block_size: int, kv_heads: int) -> tuple[PageLayout, np.ndarray]:
-        """The page layout and its field descriptors (``cpu_paged_write.DESC`` columns, layout order)."""
+        """The page layout and its field descriptors (``page_writes.DESC`` columns, layout order)."""
         key = (block_size, kv_heads)
         if key not in self._layouts:
             layout = PageLayout(self.spec, block_size, kv_heads)
-            desc = np.array([(_STRIPES.get(s.stripe, cpu_paged_write.TOKEN), s.start, s.width, s.nbytes)
+            desc = np.array([(_STRIPES.get(s.stripe, page_writes.TOKEN), s.start, s.width, s.nbytes)
                              for s in layout.slots], np.int64)
             self._layouts[key] = (layout, desc)
         return self._layouts[key]
 
     def _octopus_args(self, layer: int, head_offset: int, block_size: int, kv_heads: int) -> tuple[Any, ...]:
-        """:func:`cpu_paged_write.write_octopus`'s arguments after ``(key, value, vhalf, slots)`` up to
+        """:func:`page_writes.write_octopus`'s arguments after ``(key, value, vhalf, slots)`` up to
         ``pages``: the layer's constants and the row's columns, built once per (layer, head offset, page shape)."""
         key = (layer, head_offset, block_size, kv_heads)
         args = self._octopus.get(key)
@@ -91,7 +91,7 @@ class PagedWriteNumba:
         kf, vf = self.impl.encode_keys(k, ctx), self.impl.encode_values(v, ctx)
         fields = tuple(_source_rows((kf if s.kind == "keys" else vf)[s.name], s.stripe == HEADS)
                        for s in layout.slots)
-        cpu_paged_write.scatter_rows(fields, desc, k.shape[2], layout.group,
+        page_writes.scatter_rows(fields, desc, k.shape[2], layout.group,
                                      slot_mapping.numpy().astype(np.int64, copy=False), pages.numpy())
 
     def _write_octopus(self, layer: int, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
@@ -103,9 +103,9 @@ class PagedWriteNumba:
         vhalf = v.astype(np.float16).view(np.uint16) if self.impl.values_fp16 else _NO_HALVES
         work = 2 * n * heads * d * threads.OCTOPUS_ENCODE_WEIGHT
         if work < threads.PARALLEL_MIN_WORK:
-            cpu_paged_write.write_octopus(k, v, vhalf, slot_mapping.numpy(), *args, pages.numpy())
+            page_writes.write_octopus(k, v, vhalf, slot_mapping.numpy(), *args, pages.numpy())
         else:
-            threads.run(work, cpu_paged_write.write_octopus_parallel, k, v, vhalf, slot_mapping.numpy(), *args,
+            threads.run(work, page_writes.write_octopus_parallel, k, v, vhalf, slot_mapping.numpy(), *args,
                         pages.numpy())
 
 

@@ -3,7 +3,7 @@
 They repeat the reference's float32 operations in its order (kvq_numpy.intquant,
 kvq_numpy.octopus). The CPU kernels call them as they are (``register_jitable``), except OCTOPUS's
 :func:`triplet_code`, whose float32 steps the CPU runs over a whole row at once, stage by stage
-(:func:`kvq_numba.cpu.octopus.code_row`: its per-triplet branches mispredicted; the conformance
+(:func:`kvq_numba.cpu.octopus_codes.code_row`: its per-triplet branches mispredicted; the conformance
 suite holds both to the reference's codes bit for bit). The CUDA
 kernels call the copies :func:`for_target` makes (``kvq_numba.gpu.common``): the same code
 objects with the CUDA target's :func:`rint` (libdevice ``rintf``, a ``cvt.rni`` instruction:

@@ -16,43 +16,19 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
-
 from kvq_core.methods.turboquant import TurboQuantSpec, codebook_key, thresholds_key
 from kvq_numba.arrays import as_float32
-from kvq_numba.cpu import octopus as cpu_octopus
-from kvq_numba.cpu.common import fwht_heads, pack_row, sum_squares
+from kvq_numba.cpu import octopus_codes
+from kvq_numba.cpu.common import fwht_heads
+from kvq_numba.cpu.turboquant_codes import coord_codes
 from kvq_numba.octopus import OctopusNumba
-from kvq_numba.rules import row_bytes
 
 Fields = dict[str, Any]
 
 
-@njit(parallel=True, cache=True)
-def coord_codes(v, n, thresholds, codebook, bits, norm_correction):
-    """``(codes uint8 [b, h, t, row_bytes], norm float32 [b, h, t])`` of rotated unit rows ``v``
-    [b, h, t, d] with norms ``n``: each coordinate's codebook index (thresholds at or below it),
-    packed; the norm divided by ``||c[idx]||`` under ``norm_correction``."""
-    nb, nh, nt, d = v.shape
-    codes = np.zeros((nb, nh, nt, row_bytes(d, bits)), np.uint8)
-    norm = np.empty((nb, nh, nt), np.float32)
-    for bh in prange(nb * nh):
-        b, h = bh // nh, bh % nh
-        row = np.empty(d, np.int32)
-        c = np.empty(d, np.float32)
-        for t in range(nt):
-            for j in range(d):
-                k = np.searchsorted(thresholds, v[b, h, t, j], side="right")
-                row[j] = k
-                c[j] = codebook[k]
-            pack_row(row, bits, codes[b, h, t])
-            norm[b, h, t] = n[b, h, t] / np.sqrt(sum_squares(c, d)) if norm_correction else n[b, h, t]
-    return codes, norm
-
-
 def coord_table(bits: int, codebook: np.ndarray) -> np.ndarray:
     """float32 [2**(3 bits) * 4]: per ``3 bits``-bit code ``i0 | i1 << bits | i2 << 2 bits`` the
-    centroids ``(c[i0], c[i1], c[i2])`` and a zero (OCTOPUS's triplet table layout, cpu_octopus.code_table)."""
+    centroids ``(c[i0], c[i1], c[i2])`` and a zero (OCTOPUS's triplet table layout, octopus_codes.code_table)."""
     code = np.arange(1 << (3 * bits))
     mask = (1 << bits) - 1
     table = np.zeros((code.size, 4), np.float32)
@@ -78,7 +54,7 @@ class TurboQuantNumba(OctopusNumba):
         return 3 * self.spec.bits, self._table[1]
 
     def _encode(self, x: Any, consts: Any) -> Fields:
-        v, n = cpu_octopus.signed_units(as_float32(x), np.ascontiguousarray(consts["signs"]))
+        v, n = octopus_codes.signed_units(as_float32(x), np.ascontiguousarray(consts["signs"]))
         fwht_heads(v, v, self.inv_sqrt_d)
         bits = self.spec.bits
         codes, norm = coord_codes(v, n, np.ascontiguousarray(consts[thresholds_key(bits)], np.float32),

@@ -1,7 +1,7 @@
 """Fused Numba CPU decode attention over OCTOPUS triplet codes.
 
 Per (batch, KV head, tile of four query rows): each block of :data:`BLOCK` key rows is decoded
-to rotated unit vectors (:func:`kvq_numba.cpu.octopus.decode_rows_at`: one table move per triplet)
+to rotated unit vectors (:func:`kvq_numba.cpu.octopus_codes.decode_rows_at`: one table move per triplet)
 and scored by the register tiles of :mod:`kvq_numba.cpu.tiles` (``logit = gamma_t <q, v_hat_t> *
 scale``); online softmax; the value rows (``gamma * v_hat`` in the rotated domain, or float16
 rows in the original domain) are decoded the same way and weighted in registers. On AVX-512 hosts
@@ -17,12 +17,12 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu import paged
+from kvq_numba.cpu import page_table
 from kvq_numba.cpu.attend import online_softmax
 from kvq_numba.cpu.attend_planes import wide_keys
 from kvq_numba.cpu.common import fwht_block, half_to_float
-from kvq_numba.cpu.octopus import SPILL, decode_rows_at
-from kvq_numba.cpu.paged import (CODES, DESC, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH, half_at,
+from kvq_numba.cpu.octopus_codes import SPILL, decode_rows_at
+from kvq_numba.cpu.page_table import (CODES, DESC, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH, half_at,
                                  mask_block, start_job, store_partial, token_rows)
 from kvq_numba.cpu.simd import prefetch_bytes
 from kvq_numba.cpu.tiles import ROWS, logits, logits16, weighted_rows, weighted_rows16
@@ -35,7 +35,7 @@ BLOCK = 32
 WIDE = wide_keys()
 
 
-#: fields of an OCTOPUS job, in the order of the buffers and descriptor rows (kvq_numba.cpu.paged)
+#: fields of an OCTOPUS job, in the order of the buffers and descriptor rows (kvq_numba.cpu.page_table)
 F_KC, F_KN, F_VC, F_VN, F_VH = range(5)
 
 
@@ -59,7 +59,7 @@ def _floats(buf, words, addr, n, scratch, out) -> None:
 @njit(parallel=True, fastmath=True, cache=True)
 def octopus_jobs_at(q, jobs, first, row_lo, g, table, chunks, kc, kn, vc, vn, vh, desc, values_fp16, bits, code_table,
                     scale, pm, pl, pacc, wide) -> None:
-    """The CODES jobs of a plan (:func:`kvq_numba.cpu.paged.plan`): partial softmax state of rotated
+    """The CODES jobs of a plan (:func:`kvq_numba.cpu.page_table.plan`): partial softmax state of rotated
     queries ``q`` [kv_heads, rows, d] over OCTOPUS codes, causal per row, fields read through
     ``table`` and ``desc`` (one row per buffer: key codes, key norm, value codes, value norm,
     float16 values). Values: ``gamma * v_hat`` (rotated domain) or, when ``values_fp16``, the
@@ -212,7 +212,7 @@ def _contiguous_desc(nhk: int, nt: int, krb: int, vrb: int, d: int, values_fp16:
 
 def contiguous_jobs(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale):
     """``(jobs_fn, align)``: :func:`octopus_jobs_at` over one contiguous block (:func:`contiguous_block`), for
-    :func:`kvq_numba.cpu.paged.run` and its kin, at the width :data:`WIDE` holds when it runs."""
+    :func:`kvq_numba.cpu.page_table.run` and its kin, at the width :data:`WIDE` holds when it runs."""
     bufs, desc = contiguous_block(kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16)
     scale = np.float32(scale)
 
@@ -230,7 +230,7 @@ def attend_octopus(q, kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, 
     ``values_fp16``, the float16 rows ``vhalf`` (uint16 bits [b, hk, t, d], original domain).
     Returns (out float32 [b, hk, rows, d], lse float32 [b, hk, rows]).
     """
-    return paged.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
+    return page_table.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
         kcodes, kgamma, vcodes, vgamma, vhalf, values_fp16, bits, table, scale))
 
 

@@ -33,10 +33,10 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu import paged
+from kvq_numba.cpu import page_table
 from kvq_numba.cpu.attend import rescale_row, row_max, vexp_nonpositive
 from kvq_numba.cpu.common import fwht_block
-from kvq_numba.cpu.paged import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH,
+from kvq_numba.cpu.page_table import (CODES, DESC, GROUP_ROWS, J_HEAD, J_KIND, J_NROWS, J_REQ, J_T0, J_T1, WIDTH,
                                  gather_rows_bytes, heads_f32, row_addr, mask_block, start_job, store_partial,
                                  token_rows)
 from kvq_numba.cpu.simd import (LANES, bytes8, bytes8x2, bytes16, halves, plane, prefetch_bytes, split_shifts,
@@ -423,7 +423,7 @@ def token_halves(buf, addr, n, count, scratch, out) -> None:
         halves(scratch.view(np.uint16), 0, n * count, out)
 
 
-#: fields of a planes job, in the order of the buffers and descriptor rows (kvq_numba.cpu.paged)
+#: fields of a planes job, in the order of the buffers and descriptor rows (kvq_numba.cpu.page_table)
 F_KC, F_KS, F_KO, F_KN, F_VC, F_VS, F_VO = range(7)
 
 
@@ -441,7 +441,7 @@ def _jobs_kernel(wide: bool):  # noqa: ANN202
     @njit(parallel=True, fastmath=True, cache=True)
     def planes_jobs(q, jobs, first, row_lo, g, table, chunks, kc, ks, ko, kn, vc, vs, vo, desc, use_norm, bits, kgroup,
                     vgroup, scale, pm, pl, pacc) -> None:
-        """The CODES jobs of a plan (:func:`kvq_numba.cpu.paged.plan`) over 2- and 4-bit code rows that
+        """The CODES jobs of a plan (:func:`kvq_numba.cpu.page_table.plan`) over 2- and 4-bit code rows that
         :func:`fits`: partial softmax state of rotated queries ``q`` [kv_heads, rows, d] (channel order)
         over the job's tokens, causal per row, fields read through ``table`` and ``desc`` (one row per
         buffer ``kc .. vo``: key codes, key scale, key offset, token norm, value codes, scale, offset).
@@ -598,7 +598,7 @@ def _contiguous_desc(nhk: int, nt: int, rb: int, nkg: int, d: int, vgroup: int, 
 
 def contiguous_jobs(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
     """``(jobs_fn, align)``: :func:`planes_jobs` over one contiguous block (:func:`contiguous_block`),
-    for :func:`kvq_numba.cpu.paged.run` and its kin."""
+    for :func:`kvq_numba.cpu.page_table.run` and its kin."""
     bufs, desc = contiguous_block(kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup,
                                   vgroup, scale)
     scale = np.float32(scale)
@@ -661,7 +661,7 @@ def window_kernel(wide: bool):  # noqa: ANN201
 def attend_planes(q, kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale):
     """:func:`kvq_numba.cpu.attend.attend_int_codes` (same arguments and results) for code rows that
     :func:`fits`: the contiguous blocks as the trivial page table of :func:`planes_jobs`."""
-    return paged.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
+    return page_table.run_trivial(q, kcodes.shape[2], *contiguous_jobs(
         kcodes, kscale, koffset, knorm, use_norm, vcodes, vscale, voffset, bits, kgroup, vgroup, scale))
 
 

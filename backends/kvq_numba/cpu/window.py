@@ -1,5 +1,5 @@
 """One attention call over a layer's packed blocks and its exact window (``KVQCache``'s decode
-step): the paged kernels' job machinery (:mod:`kvq_numba.cpu.paged`) with several contiguous
+step): the paged kernels' job machinery (:mod:`kvq_numba.cpu.page_table`) with several contiguous
 blocks as consecutive segments of the coded tokens and the window as the tail.
 
 Request ``b`` is batch element ``b``; its coded tokens are the blocks' tokens in order (every
@@ -22,8 +22,8 @@ import numpy as np
 from numba import njit
 
 from kvq_numba import threads
-from kvq_numba.cpu import paged
-from kvq_numba.cpu.paged import CODES, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, TAIL
+from kvq_numba.cpu import page_table
+from kvq_numba.cpu.page_table import CODES, J_KIND, J_NROWS, J_REQ, J_ROW, J_T0, J_T1, TAIL
 from kvq_numba.cpu.tiles import ROWS
 
 #: job kind a CODES kernel skips (a job of another block)
@@ -133,11 +133,11 @@ def finish(qo, jobs, groups, first, row_lo, g, chunks, coded, tk, tv, scale, pm,
     q_heads, q_len, d], lse [b, q_heads, q_len])``."""
     nhk, nrow, d = qo.shape
     hq = nhk * g
-    paged.tail_jobs(qo, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b), scale, pm,
+    page_table.tail_jobs(qo, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b), scale, pm,
                     pl, pacc)
     o = np.zeros((nhk, nrow, d), np.float32)
     lo = np.zeros((nhk, nrow), np.float32)
-    paged.combine(jobs, groups, pm, pl, pacc, o, lo)
+    page_table.combine(jobs, groups, pm, pl, pacc, o, lo)
     out = np.empty((b, hq, lq, d), np.float32)
     lse = np.empty((b, hq, lq), np.float32)
     for bi in range(b):
@@ -171,13 +171,13 @@ def split_plan(b: int, lq: int, g: int, nhk: int, coded: int, aligns: Sequence[i
     ``aligns``: on one thread one job per block and tile (splits only pay off spread over threads)."""
     nthreads = threads.count()
     if nthreads == 1:
-        return max(coded, 1), paged.chunks(1)
+        return max(coded, 1), page_table.chunks(1)
     align = int(np.lcm.reduce(list(aligns))) if aligns else 1
-    return paged.split_tokens(-(-(lq * g) // ROWS) * b * coded * nhk, align, nthreads), paged.chunks(nthreads)
+    return page_table.split_tokens(-(-(lq * g) // ROWS) * b * coded * nhk, align, nthreads), page_table.chunks(nthreads)
 
 
-def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence[tuple[paged.JobsFn, int, int]],
-        window: tuple[np.ndarray, np.ndarray], values_back: paged.BackFn | None,
+def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence[tuple[page_table.JobsFn, int, int]],
+        window: tuple[np.ndarray, np.ndarray], values_back: page_table.BackFn | None,
         scale: float) -> tuple[np.ndarray, np.ndarray]:
     """``(out [kv_heads, rows, d], lse [kv_heads, rows])`` of queries ``q`` [kv_heads, rows, d]
     (:func:`grouped_queries`; ``qc`` the same in the keys' domain) over the ``blocks`` (``(jobs_fn,
@@ -202,9 +202,9 @@ def run(q: np.ndarray, qc: np.ndarray, b: int, lq: int, g: int, blocks: Sequence
         jobs_fn(qc, local[s], first, row_lo, g, table, chunks, pm, pl, pacc)
     if values_back is not None and blocks:
         values_back(pacc, jobs)
-    paged.tail_jobs(q, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b, dtype=np.int64),
+    page_table.tail_jobs(q, jobs, first, row_lo, g, chunks, np.full(b, coded, np.int64), tk, tv, np.arange(b, dtype=np.int64),
                         np.float32(scale), pm, pl, pacc)
     out = np.zeros((nhk, q.shape[1], d), np.float32)
     lse = np.zeros((nhk, q.shape[1]), np.float32)
-    paged.combine(jobs, groups, pm, pl, pacc, out, lse)
+    page_table.combine(jobs, groups, pm, pl, pacc, out, lse)
     return out, lse

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvq_numba.cpu import octopus
+from kvq_numba.cpu import octopus_codes
 from kvq_numba.cpu.common import fwht_block
 from kvq_numba.rules import row_bytes
 
@@ -71,10 +71,10 @@ def _write_octopus(key, value, vhalf, slots, signs, inv_sqrt_d, xi_th, eta_th, r
     (``vhalf``: float16 bits ``[n, heads, d]``, non-empty) are copied instead of coded.
 
     Per chunk of :data:`CHUNK_TOKENS` tokens: the signed unit rows
-    (:func:`kvq_numba.cpu.octopus.signed_unit`), one :func:`kvq_numba.cpu.common.fwht_block` over
+    (:func:`kvq_numba.cpu.octopus_codes.signed_unit`), one :func:`kvq_numba.cpu.common.fwht_block` over
     all of them (it vectorises across rows), then each row's codes
-    (:func:`kvq_numba.cpu.octopus.code_row`) into its page row: the batched encoder's float32 steps
-    per row, so codes and norms are bitwise :func:`kvq_numba.cpu.octopus.encode`'s."""
+    (:func:`kvq_numba.cpu.octopus_codes.code_row`) into its page row: the batched encoder's float32 steps
+    per row, so codes and norms are bitwise :func:`kvq_numba.cpu.octopus_codes.encode`'s."""
     n, heads, d = key.shape
     fp16 = vhalf.shape[0] > 0
     coded = heads if fp16 else 2 * heads  # rows encoded per token: K (and V) of every head
@@ -88,10 +88,10 @@ def _write_octopus(key, value, vhalf, slots, signs, inv_sqrt_d, xi_th, eta_th, r
         for i in range(m):
             for r in range(coded):
                 x = key[t0 + i, r] if r < heads else value[t0 + i, r - heads]
-                gamma[i * coded + r] = octopus.signed_unit(x, signs[r % heads], u[i * coded + r])
+                gamma[i * coded + r] = octopus_codes.signed_unit(x, signs[r % heads], u[i * coded + r])
         fwht_block(u, u, inv_sqrt_d)
         norm = gamma.view(np.uint8)
-        fs, js = octopus.code_scratch(d)
+        fs, js = octopus_codes.code_scratch(d)
         for i in range(m):
             s = slots[t0 + i]
             if s < 0:
@@ -100,7 +100,7 @@ def _write_octopus(key, value, vhalf, slots, signs, inv_sqrt_d, xi_th, eta_th, r
             for r in range(coded):
                 out = pages[page, r % heads, at]
                 c, g = (starts[KC], starts[KN]) if r < heads else (starts[VC], starts[VN])
-                octopus.code_row(u[i * coded + r], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits,
+                octopus_codes.code_row(u[i * coded + r], xi_th, eta_th, rho_th, dirs, n_xi, n_eta, eta_bits, rho_bits,
                                      bits, joint, fs, js, out[c:c + nbytes])
                 for b in range(4):
                     out[g + b] = norm[4 * (i * coded + r) + b]
