@@ -12,6 +12,16 @@ os.environ.setdefault("KVQ_COMPILE", "foreground")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvq-inductor"))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Tests call numba's CPU kernels directly too: its stale-cache check runs before any of them
+    (a kernel class does it when constructed)."""
+    try:
+        from kvq_numba.startup import prepare
+    except ImportError:  # numba not installed
+        return
+    prepare()
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """torch.compile tests (``compile``) belong to the slow tier: inductor's cold compile is ~20 s a graph."""

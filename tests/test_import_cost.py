@@ -73,3 +73,30 @@ def test_a_numba_quantizer_runs_without_torch_or_triton() -> None:
     ''')
     assert loaded["numba"], loaded  # the kernel modules (and numba) were imported ...
     assert not loaded["torch"] and not loaded["triton"], loaded  # ... and nothing of torch
+
+
+def test_importing_kvq_numba_has_no_side_effects(tmp_path: Path) -> None:
+    """Importing the numba backend, and the registry listing and checking it (which imports its kernel classes),
+    write no cache stamp, install no compile listener and register no fork hook; its first kernel object does all three."""
+    pytest.importorskip("numba")
+    probe = textwrap.dedent(f'''
+        import os, sys
+        os.environ["NUMBA_CACHE_DIR"] = {str(tmp_path)!r}
+        import kvq_numba, kvq_numba.plugin
+        from kvq_core import registry
+        from kvq_numba import compile_notice, threads
+        registry.list_backends()
+        assert registry.supports("numba", registry.make_spec("oscar", head_dim=64), "cpu")[0]
+        stamps = lambda: sorted(p for p in os.listdir({str(tmp_path)!r}) if os.path.isfile(
+            os.path.join({str(tmp_path)!r}, p, "kvq_numba_sources.sha256")))
+        before = (stamps(), compile_notice._installed is not None, threads._watching)
+        import kvq_core
+        kvq_core.get_quantizer("oscar", backend="numba", head_dim=64)
+        after = (len(stamps()) > 0, compile_notice._installed is not None, threads._watching)
+        print("RESULT", before, after)
+    ''')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "backends")])}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
+    assert line == "RESULT ([], False, False) (True, True, True)", line

@@ -14,9 +14,9 @@ What lives where:
 - Shared by both targets or by the backend as a whole: :mod:`~kvq_numba.rules` (scalar coding
   rules compiled for either), :mod:`~kvq_numba.arrays` (host/CUDA array handling),
   :mod:`~kvq_numba.threads` (CPU thread policy), :mod:`~kvq_numba.compile_notice` (the first-compile
-  line), :mod:`~kvq_numba.cache_stamp` (the disk cache dropped when the sources change, done here,
-  on import), :mod:`~kvq_numba.plugin` (registration and ``supports``).
-"""
-from kvq_numba.cache_stamp import drop_stale
+  line), :mod:`~kvq_numba.cache_stamp` (the disk cache dropped when the sources change),
+  :mod:`~kvq_numba.plugin` (registration and ``supports``).
 
-drop_stale()  # before any kernel loads from Numba's disk cache: stale ones are deleted, not run
+Importing it has no side effects: what the kernels need before they first run happens when a kernel class
+is constructed (:mod:`~kvq_numba.startup`).
+"""

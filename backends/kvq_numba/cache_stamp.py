@@ -78,6 +78,18 @@ def drop_stale(root: Path = PACKAGE) -> int:
     return deleted
 
 
+_checked: set[str] = set()
+
+
+def check(root: Path = PACKAGE) -> None:
+    """:func:`drop_stale` once per process and cache directory (``NUMBA_CACHE_DIR``'s value): before this
+    process's first kernel or compile mark is read from there."""
+    key = f"{root}:{os.environ.get('NUMBA_CACHE_DIR', '')}"
+    if key not in _checked:
+        drop_stale(root)
+        _checked.add(key)
+
+
 def package_cache_dir(root: Path = PACKAGE) -> Path:
     """The directory Numba caches the kernels of ``root``'s own folder in (``NUMBA_CACHE_DIR``'s entry, else ``__pycache__``)."""
     user_dir = os.environ.get("NUMBA_CACHE_DIR")
@@ -108,9 +120,11 @@ class NumbaCompileCache:
         """True on a CUDA device (its kernels compile per launch shape, not ahead) or where a warm-up marked ``spec``."""
         if device is not None and str(device).split(":")[0] != "cpu":
             return True
+        check()  # a mark made before the sources changed goes with their kernels
         return self._mark(spec).is_file()
 
     def mark_ready(self, spec: Any) -> None:
+        check()
         path = self._mark(spec)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import numpy as np
 from kvq_core.errors import BackendUnavailableError
 from kvq_core.contract import KernelContext
 from kvq_core.methods.intcodes import CHANNELS, TOKENS, ZERO_INTEGER, IntCodeRecipe
-from kvq_numba import compile_notice, rules, threads
+from kvq_numba import rules, threads
 from kvq_numba.arrays import as_float32
 from kvq_numba.cpu import attend as cpu_attend
 from kvq_numba.cpu import attend_planes as cpu_attend_planes
@@ -27,9 +27,7 @@ from kvq_numba.cpu import rotation as cpu_rotation
 from kvq_numba.cpu import window as cpu_window
 from kvq_numba.cpu.common import fwht_heads, half_bits, inv_sqrt
 from kvq_numba.route import DeviceRouted
-
-compile_notice.install()
-threads.prefer_tbb()
+from kvq_numba.startup import prepare
 
 Fields = dict[str, Any]
 _NO_NORM = np.ones((1, 1), np.float32)
@@ -52,6 +50,7 @@ class IntCodesNumba(DeviceRouted):
     CUDA_TWIN = "kvq_numba.gpu.intcodes_cuda:IntCodesCuda"
 
     def __init__(self, spec: Any) -> None:
+        prepare()  # before the first kernel loads from the disk cache
         self.spec = spec
         recipe: IntCodeRecipe = spec.recipe
         keys, values = recipe.keys, recipe.values

@@ -10,16 +10,14 @@ import numpy as np
 
 from kvq_core.contract import KernelContext
 from kvq_core.methods.octopus import OctopusSpec
-from kvq_numba import compile_notice, threads
+from kvq_numba import threads
 from kvq_numba.arrays import as_float32
 from kvq_numba.cpu import attend_octopus as cpu_attend_octopus
 from kvq_numba.cpu import octopus_codes
 from kvq_numba.cpu import window as cpu_window
 from kvq_numba.cpu.common import fwht_heads, half_bits, inv_sqrt
 from kvq_numba.route import DeviceRouted
-
-compile_notice.install()
-threads.prefer_tbb()
+from kvq_numba.startup import prepare
 
 Fields = dict[str, Any]
 #: placeholders for the value arguments attend_octopus does not read (fp16 values, or octopus values)
@@ -38,6 +36,7 @@ class OctopusNumba(DeviceRouted):
     CUDA_TWIN = "kvq_numba.gpu.octopus_cuda:OctopusCuda"
 
     def __init__(self, spec: OctopusSpec) -> None:
+        prepare()  # before the first kernel loads from the disk cache
         self.spec = spec
         self.inv_sqrt_d = inv_sqrt(spec.head_dim)
         self._table: tuple[Any, np.ndarray] | None = None

@@ -42,6 +42,8 @@ ENCODE_WEIGHT, OCTOPUS_ENCODE_WEIGHT, DECODE_WEIGHT = 16, 64, 8
 _fork_error: str | None = None
 #: (get, set) of this thread's Numba thread count, bound on first use
 _count: tuple[Callable[[], int], Callable[[int], Any]] | None = None
+#: whether :func:`watch_forks` registered its fork hook
+_watching = False
 
 
 def prefer_tbb() -> None:
@@ -119,5 +121,11 @@ def run(work: int, fn: Callable[..., Any], *args: Any) -> Any:
         put(threads)
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+def watch_forks() -> None:
+    """Once per process: a child forked after Numba's threads started learns whether it can run the kernels
+    (:func:`run` raises there with the fixes, instead of Numba killing the process)."""
+    global _watching
+    if not _watching and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _watching = True
