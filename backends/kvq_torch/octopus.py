@@ -194,29 +194,38 @@ class OctopusTorch(TorchMethod):
         k_rot = decode_rotated(kfields, self.spec, ctx.consts)
         if self.spec.values == "fp16":
             return softmax_attend(q_rot, k_rot, vfields["data"], scale, token_scale=kfields["norm"])
-        v_rot = vfields["norm"].unsqueeze(-1) * decode_rotated(vfields, self.spec, ctx.consts)
+        v_rot = scaled(vfields, self.spec, ctx.consts)
         out_rot, lse = softmax_attend(q_rot, k_rot, v_rot, scale, token_scale=kfields["norm"])
         return unrotate_output(out_rot, ctx.consts, kv_heads), lse
 
     def attend_window(self, q: torch.Tensor, blocks: Sequence[tuple[Fields, Fields, int]], window_k: torch.Tensor,
                       window_v: torch.Tensor, ctx: TorchContext, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks and the exact window in one softmax, in the rotated domain (as :meth:`attend`): the
-        blocks' codes are joined and decoded once per kind, never un-rotated; the window is rotated in
-        and the output back once, each a product with R's matrix (:func:`rotation_rows`)."""
-        kv_heads, d = window_k.shape[1], window_k.shape[3]
+        blocks' codes (keys and values together: one layout) are joined and decoded at once, never
+        un-rotated; the window is rotated in and the output back once, each a product with R's matrix
+        (:func:`rotation_rows`): a decode step's operands are a few rows, where each op's overhead counts."""
+        kv_heads, w, d = window_k.shape[1], window_k.shape[2], window_k.shape[3]
         rows = rotation_rows(ctx.consts, d, window_k.device)
-        kfields, vfields = joined([k for k, _, _ in blocks]), joined([v for _, v, _ in blocks])
-        rotated_values = self.spec.values != "fp16"
-        k = kfields["norm"].unsqueeze(-1) * decode_rotated(kfields, self.spec, ctx.consts)
-        v = (vfields["norm"].unsqueeze(-1) * decode_rotated(vfields, self.spec, ctx.consts) if rotated_values
-             else vfields["data"].to(torch.float32))
-        k = torch.cat((k, torch.matmul(window_k.to(torch.float32), rows)), 2)
-        v = torch.cat((v, torch.matmul(window_v.to(torch.float32), rows) if rotated_values else window_v.to(torch.float32)), 2)
+        keys, values = [k for k, _, _ in blocks], [v for _, v, _ in blocks]
+        if self.spec.values == "fp16":
+            k = torch.cat((scaled(joined(keys), self.spec, ctx.consts), torch.matmul(window_k.to(torch.float32), rows)), 2)
+            v = torch.cat((joined(values)["data"].to(torch.float32), window_v.to(torch.float32)), 2)
+        else:
+            t = sum(f["norm"].shape[2] for f in keys)
+            both = scaled(joined(keys + values), self.spec, ctx.consts)
+            window = torch.matmul(torch.cat((window_k, window_v), 2).to(torch.float32), rows)
+            k = torch.cat((both[:, :, :t], window[:, :, :w]), 2)
+            v = torch.cat((both[:, :, t:], window[:, :, w:]), 2)
         q_rot = from_kv_head(torch.matmul(by_kv_head(q.to(torch.float32), kv_heads), rows), tuple(q.shape))
         out, lse = window_attend(q_rot, k, v, scale)
-        if rotated_values:
+        if self.spec.values != "fp16":
             out = from_kv_head(torch.matmul(by_kv_head(out, kv_heads), rows.transpose(-1, -2)), tuple(out.shape))
         return out, lse
+
+
+def scaled(fields: Fields, spec: OctopusSpec, consts: Consts) -> torch.Tensor:
+    """gamma * R u_hat: decoded vectors in the rotated domain, norms applied."""
+    return fields["norm"].unsqueeze(-1) * decode_rotated(fields, spec, consts)
 
 
 def joined(fields: Sequence[Fields]) -> Fields:
