@@ -121,7 +121,6 @@ def run(work: int, fn: Callable[..., Any], *args: Any) -> Any:
         put(threads)
 
 
-
 def watch_forks() -> None:
     """Once per process: a child forked after Numba's threads started learns whether it can run the kernels
     (:func:`run` raises there with the fixes, instead of Numba killing the process)."""

@@ -22,11 +22,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import numpy as np
 import torch
 
-from kvq_core.math.hadamard import hadamard_block, sylvester_hadamard
-from kvq_torch.common import Consts, _inv_sqrt, fwht
+from kvq_torch.common import Consts, fwht
 
 #: NumPy's pairwise summation: 8 accumulators up to this many terms, halving above it.
 _PW_BLOCK = 128
@@ -119,10 +117,8 @@ def unrotate(y: torch.Tensor, consts: Consts) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=32)
 def _hadamard_matrix(d: int, device: str) -> torch.Tensor:
-    """``H_d`` (:func:`kvq_core.math.hadamard.sylvester_hadamard`) in float32 as :func:`fwht` computes it:
-    +-1 times float32(1/sqrt(B)), so ``x @ H_d`` uses exactly the entries of ``fwht(I)``."""
-    signs = torch.tensor(np.sign(sylvester_hadamard(d)), dtype=torch.float32)
-    return (signs * _inv_sqrt(hadamard_block(d))).to(device)
+    """``H_d`` as the float32 matrix ``fwht(I)``, so ``x @ H_d`` uses exactly the entries :func:`fwht` applies."""
+    return fwht(torch.eye(d, dtype=torch.float32, device=device))
 
 
 def rotation_rows(consts: Consts, d: int, device: torch.device) -> torch.Tensor:
